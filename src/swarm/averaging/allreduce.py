@@ -1,0 +1,158 @@
+"""Stage-wise gradient all-reduce whose result is bit-identical on every replica.
+
+The flat gradient is cut into one part per group member; member j reduces part j. Each member sends
+part j of its gradient sum to member j in one `reduce` call, and that same call returns the reduced
+part once member j has heard from the whole group. Reduction sums contributions in the group's
+sorted order and every member copies the owner's result (rather than adding a delta to its own
+tensor), so all replicas end with the same bits, and so the same weights after the step.
+
+Agreement on the group: every member derives the group from its own view of the stage (the servers
+at its epoch) and sends it with each contribution; an owner refuses a contribution whose group or
+epoch differs from its own. The round then fails everywhere and is retried with fresher views.
+A contribution arriving before its owner began the round wakes the owner up (via `on_wake`), so the
+stage steps together instead of waiting for every member to notice the DHT.
+
+A member applies the step only if it received every part. If an owner dies after answering some
+members, those members step and the rest fall one epoch behind, which the server detects and repairs
+by downloading state from an up-to-date replica: the stage never holds two different weights at the
+same epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.net.directory import short
+from swarm.net.transport import CallFailed, StageClient
+from swarm.wire.validate import BadRequest
+
+log = logging.getLogger(__name__)
+
+
+class RoundFailed(Exception):
+    """This round did not complete on this member; its gradients are kept for the next try."""
+
+
+def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal slices of a vector of `total` elements."""
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclass
+class _Round:
+    epoch: int
+    group: tuple[str, ...]
+    size: int
+    contributions: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+    result: tuple[torch.Tensor, int] | None = None
+
+
+class StageAllReduce:
+    def __init__(
+        self,
+        client: StageClient,
+        own_id: str,
+        stage: int,
+        timeout: float,
+        on_wake: Callable[[int], bool],
+    ):
+        self.client = client
+        self.own_id = own_id
+        self.stage = stage
+        self.timeout = timeout
+        self.on_wake = on_wake
+        self._rounds: dict[int, _Round] = {}  # keyed by epoch: at most one round per epoch is open
+        self._started: dict[int, asyncio.Event] = {}
+
+    def _started_event(self, epoch: int) -> asyncio.Event:
+        return self._started.setdefault(epoch, asyncio.Event())
+
+    async def run(
+        self, epoch: int, group: tuple[str, ...], flat_grad: torch.Tensor, samples: int
+    ) -> tuple[torch.Tensor, int]:
+        """Sum `flat_grad` and `samples` over `group`; returns (mean gradient, total samples)."""
+        if self.own_id not in group:
+            raise ValueError("a member must belong to its own group")
+        bounds = part_bounds(flat_grad.numel(), len(group))
+        own_part = bounds[group.index(self.own_id)]
+        self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0])
+        self._started_event(epoch).set()
+        try:
+            calls = [
+                self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples)
+                for owner, (lo, hi) in zip(group, bounds, strict=True)
+            ]
+            results = await asyncio.wait_for(asyncio.gather(*calls), self.timeout)
+        except (TimeoutError, CallFailed, BadRequest) as e:
+            raise RoundFailed(f"epoch {epoch} with {len(group)} peers: {e}") from e
+        finally:
+            self._rounds.pop(epoch, None)
+            self._started.pop(epoch, None)
+        totals = {total for _, total in results}
+        if len(totals) != 1:
+            raise RoundFailed(f"owners disagree on the sample count: {sorted(totals)}")
+        return torch.cat([part for part, _ in results]), totals.pop()
+
+    async def _exchange(
+        self, owner: str, epoch: int, group: tuple[str, ...], part: torch.Tensor, samples: int
+    ) -> tuple[torch.Tensor, int]:
+        meta = {"epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage}
+        if owner == self.own_id:
+            reply, tensors = await self.contribute(meta, [part], self.own_id)
+        else:
+            reply, tensors = await self.client.call(owner, "reduce", meta, [part], self.timeout)
+        if len(tensors) != 1:
+            raise RoundFailed(f"owner {short(owner)} sent {len(tensors)} tensors")
+        return tensors[0], int(reply["samples"])
+
+    async def contribute(
+        self, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Owner side: take one member's part, answer with the reduced part once all are in."""
+        try:
+            epoch, group, samples = int(meta["epoch"]), tuple(meta["group"]), int(meta["samples"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"malformed reduce request: {e}") from e
+        if sender not in group or len(tensors) != 1:
+            raise BadRequest("reduce request from outside its own group")
+        if epoch not in self._rounds:
+            if not self.on_wake(epoch):
+                raise BadRequest(f"this replica is not at epoch {epoch}")
+            try:
+                await asyncio.wait_for(self._started_event(epoch).wait(), self.timeout)
+            except TimeoutError as e:
+                self._started.pop(epoch, None)
+                raise BadRequest(f"no round for epoch {epoch} began here") from e
+        rnd = self._rounds.get(epoch)
+        if rnd is None or rnd.group != group:
+            theirs = ",".join(map(short, group))
+            mine = ",".join(map(short, rnd.group)) if rnd else "none"
+            raise BadRequest(f"group mismatch for epoch {epoch}: sender has [{theirs}], owner has [{mine}]")
+        part = tensors[0]
+        if part.numel() != rnd.size or part.dtype != torch.float32:
+            raise BadRequest(f"part has {part.numel()} {part.dtype} values, expected {rnd.size} float32")
+        rnd.contributions[sender] = (part, samples)
+        if len(rnd.contributions) == len(rnd.group):
+            total_samples = sum(n for _, n in rnd.contributions.values())
+            summed = torch.zeros(rnd.size, dtype=torch.float32)
+            for member in rnd.group:  # fixed order: the same bits whoever computes it
+                summed += rnd.contributions[member][0]
+            rnd.result = (summed / max(total_samples, 1), total_samples)
+            rnd.complete.set()
+        await rnd.complete.wait()
+        assert rnd.result is not None
+        mean, total = rnd.result
+        return {"samples": total}, [mean]

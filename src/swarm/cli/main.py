@@ -1,0 +1,128 @@
+"""`swarm` command line: one subcommand per role, all reading the same config file plus overrides."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from swarm.config import ConfigError, ConfigMismatch, SwarmConfig, load_config
+from swarm.config.recipes import DEMO
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="override one config value, e.g. --set model.d_model=256 (repeatable)",
+    )
+    p.add_argument("--initial-peers", nargs="+", help="multiaddrs of any peers of the swarm (printed by `swarm dht`)")
+    p.add_argument("--run-dir", help="where logs, summaries and plots go")
+    p.add_argument("--data", help="training text: a .txt/.jsonl file or a directory of them")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("dht", help="run a bootstrap DHT peer and print the addresses others join with")
+    _common(p)
+    p.add_argument("--addr-file", help="also write the addresses to this file")
+    p = sub.add_parser("server", help="serve one stage of the model")
+    _common(p)
+    p.add_argument("--stage", type=int)
+    p.add_argument("--device", help="cpu, cuda or cuda:N")
+    p = sub.add_parser("trainer", help="feed microbatches through the swarm")
+    _common(p)
+    p.add_argument("--index", type=int, help="this trainer's data shard")
+    p.add_argument("--num-trainers", type=int)
+    for name, text in (("demo", "train the default model on a local swarm (the README's first command)"),
+                       ("local", "run a local swarm from a config")):
+        p = sub.add_parser(name, help=text)
+        _common(p)
+        p.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _config(args: argparse.Namespace) -> SwarmConfig:
+    overrides = list(args.overrides)
+    flags = {
+        "initial_peers": ("net.initial_peers", lambda v: "[" + ",".join(f'"{a}"' for a in v) + "]"),
+        "run_dir": ("run_dir", lambda v: f'"{v}"'),
+        "data": ("data.path", lambda v: f'"{v}"'),
+        "stage": ("server.stage", str),
+        "device": ("server.device", lambda v: f'"{v}"'),
+        "index": ("trainer.index", str),
+        "num_trainers": ("trainer.num_trainers", str),
+    }
+    for attr, (key, render) in flags.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            overrides.append(f"{key}={render(value)}")
+    base = DEMO if args.command == "demo" else None
+    return load_config(args.config, overrides, base=base)
+
+
+def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
+    from swarm.net.node import start_dht, visible_addresses
+
+    dht = start_dht(cfg.net)
+    addrs = visible_addresses(dht)
+    print("Bootstrap peer is up. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)
+    if addr_file:
+        Path(addr_file).write_text("\n".join(addrs) + "\n")
+    stop = asyncio.Event()
+
+    async def wait() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+
+    try:
+        asyncio.run(wait())
+    finally:
+        dht.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("hivemind", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        cfg = _config(args)
+        if args.command == "dht":
+            _serve_dht(cfg, args.addr_file)
+        elif args.command == "server":
+            from swarm.server.server import StageServer
+
+            StageServer(cfg).run()
+        elif args.command == "trainer":
+            from swarm.trainer.trainer import Trainer
+
+            Trainer(cfg).run()
+        else:
+            from swarm.ops.run import run_local
+
+            run_local(cfg, progress=not args.no_progress)
+    except ConfigMismatch as e:
+        print(f"swarm: refused to join: {e}", file=sys.stderr)
+        return 3
+    except ConfigError as e:
+        print(f"swarm: bad configuration: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

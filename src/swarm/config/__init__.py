@@ -1,0 +1,37 @@
+"""Configuration: typed sections, one loader, named recipes."""
+
+from swarm.config.loader import load_config, replace, to_toml
+from swarm.config.schema import (
+    ConfigError,
+    ConfigMismatch,
+    DataConfig,
+    LocalSwarmConfig,
+    ModelConfig,
+    NetConfig,
+    OptimConfig,
+    ServerConfig,
+    SwarmConfig,
+    TrainerConfig,
+    config_hash,
+    describe_mismatch,
+    model_fingerprint,
+)
+
+__all__ = [
+    "ConfigError",
+    "ConfigMismatch",
+    "DataConfig",
+    "LocalSwarmConfig",
+    "ModelConfig",
+    "NetConfig",
+    "OptimConfig",
+    "ServerConfig",
+    "SwarmConfig",
+    "TrainerConfig",
+    "config_hash",
+    "describe_mismatch",
+    "load_config",
+    "model_fingerprint",
+    "replace",
+    "to_toml",
+]

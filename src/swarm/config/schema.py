@@ -1,0 +1,224 @@
+"""Typed configuration for every role of a swarm.
+
+Every value a peer needs lives in one frozen dataclass tree so that a run is fully described by one
+file plus a few CLI overrides, and so that peers can compare the part that must agree (the model) by
+hash. Each section validates itself on construction: a bad value fails at start with the field named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent; the message names the field."""
+
+
+class ConfigMismatch(ConfigError):
+    """Another peer of the same run uses a different model config."""
+
+
+def _require(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The network being trained. Every peer of a run must agree on it (checked by `config_hash`)."""
+
+    spec: str = "swarm.model.gpt:build_stages"  # module:function returning the list of stage modules
+    vocab_size: int = 257  # 256 byte values + one padding id
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 512
+    n_layers: int = 6
+    seq_len: int = 128  # tokens per sample
+    num_stages: int = 3
+    share_weights: bool = False  # ALBERT-style: all layers of a stage reuse one block's weights
+    dropout: float = 0.0
+    init_seed: int = 0  # every replica of a stage builds identical initial weights from it
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "seq_len", "num_stages"):
+            _require(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
+        _require(":" in self.spec, "model.spec", f"must look like 'package.module:function', got {self.spec!r}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.d_model",
+            f"must be divisible by model.n_heads ({self.d_model} % {self.n_heads} != 0)",
+        )
+        _require(
+            self.num_stages <= self.n_layers,
+            "model.num_stages",
+            f"cannot exceed model.n_layers ({self.num_stages} > {self.n_layers})",
+        )
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where training text comes from. `path=None` uses the Python standard library's sources."""
+
+    path: str | None = None  # a text file, a .jsonl file (field `text`), or a directory of them
+    seed: int = 0
+    max_bytes: int = 32_000_000  # cap on the corpus read into memory
+
+    def __post_init__(self) -> None:
+        _require(self.max_bytes > 0, "data.max_bytes", f"must be positive, got {self.max_bytes}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Stage-wise synchronous AdamW: every replica of a stage takes the same step on averaged gradients."""
+
+    lr: float = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.01
+    warmup_steps: int = 5  # linear warm-up, in optimizer steps
+    clip_grad_norm: float = 1.0  # 0 disables clipping
+    target_batch_size: int = 32  # samples a whole stage accumulates before it steps
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "need two in [0, 1)")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(self.clip_grad_norm >= 0, "optim.clip_grad_norm", "must be >= 0")
+        _require(self.target_batch_size > 0, "optim.target_batch_size", "must be positive")
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """How a peer reaches the swarm."""
+
+    run_id: str = "swarm"  # namespaces every DHT key, so several runs can share one DHT
+    initial_peers: tuple[str, ...] = ()  # multiaddrs printed by `swarm dht`
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+    announce_period: float = 1.0  # seconds between DHT announcements
+    record_ttl: float = 6.0  # seconds an announcement lives unless renewed
+    max_payload_mb: float = 64.0  # requests larger than this are refused
+    allreduce_timeout: float = 30.0  # seconds a stage all-reduce may take before it is retried
+
+    def __post_init__(self) -> None:
+        _require(bool(self.run_id) and "." not in self.run_id, "net.run_id", "must be non-empty without '.'")
+        _require(self.announce_period > 0, "net.announce_period", "must be positive")
+        _require(
+            self.record_ttl > self.announce_period,
+            "net.record_ttl",
+            f"must exceed net.announce_period ({self.record_ttl} <= {self.announce_period})",
+        )
+        _require(self.max_payload_mb > 0, "net.max_payload_mb", "must be positive")
+        _require(0 <= self.port < 65536, "net.port", f"must be a port number, got {self.port}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One stage server."""
+
+    stage: int = 0
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    autocast: str = "none"  # none, bf16, fp16
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    max_batch_samples: int = 64  # concurrent requests are merged up to this many samples
+    graph_ttl: float = 120.0  # seconds a kept forward graph waits for its backward
+
+    def __post_init__(self) -> None:
+        _require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
+        _require(
+            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:"),
+            "server.device",
+            f"must be cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        _require(self.autocast in ("none", "bf16", "fp16"), "server.autocast", "must be none, bf16 or fp16")
+        _require(self.threads >= 0, "server.threads", "must be >= 0")
+        _require(self.max_batch_samples > 0, "server.max_batch_samples", "must be positive")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """One trainer: feeds microbatches through the swarm."""
+
+    microbatch_size: int = 4
+    max_inflight: int = 4  # microbatches in the pipeline at once
+    target_steps: int = 20  # the run ends once every stage has taken this many optimizer steps
+    request_timeout: float = 30.0  # seconds before a call is abandoned and retried elsewhere
+    ban_seconds: float = 15.0  # a server that failed is not picked again for this long
+    max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
+    index: int = 0  # this trainer's data shard
+    num_trainers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers"):
+            _require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
+        _require(self.request_timeout > 0, "trainer.request_timeout", "must be positive")
+        _require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")
+        _require(
+            0 <= self.index < self.num_trainers,
+            "trainer.index",
+            f"must be in [0, trainer.num_trainers), got {self.index} of {self.num_trainers}",
+        )
+
+
+@dataclass(frozen=True)
+class LocalSwarmConfig:
+    """Shape of a swarm launched on this machine by `swarm demo` / `swarm local`."""
+
+    servers_per_stage: int = 2
+    trainers: int = 2
+    threads_per_peer: int = 1
+    timeout: float = 600.0  # seconds before the launcher gives up on the run
+
+    def __post_init__(self) -> None:
+        _require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
+        _require(self.trainers > 0, "local.trainers", "must be positive")
+        _require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    local: LocalSwarmConfig = field(default_factory=LocalSwarmConfig)
+    run_dir: str = "runs/demo"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.server.stage < self.model.num_stages,
+            "server.stage",
+            f"must be below model.num_stages ({self.server.stage} >= {self.model.num_stages})",
+        )
+        _require(
+            self.optim.target_batch_size >= self.trainer.microbatch_size,
+            "optim.target_batch_size",
+            "must be at least trainer.microbatch_size",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def model_fingerprint(model: ModelConfig) -> dict[str, Any]:
+    """The model fields as plain JSON types: what peers exchange to find what differs."""
+    return json.loads(json.dumps(dataclasses.asdict(model)))
+
+
+def config_hash(model: ModelConfig) -> str:
+    """Short stable digest of the model config; peers with different digests must not work together."""
+    blob = json.dumps(model_fingerprint(model), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Human-readable list of differing model fields, e.g. "d_model: 128 here, 256 there"."""
+    keys = sorted(set(mine) | set(theirs))
+    diffs = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there" for k in keys if mine.get(k) != theirs.get(k)]
+    return "; ".join(diffs) if diffs else "no field differs"

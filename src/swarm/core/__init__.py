@@ -1,0 +1,37 @@
+"""Pure decision logic of the swarm: routing, bans, measurements, retries, partitioning, stepping.
+
+Purity rule: modules here import only the Python standard library and other `swarm.core` modules;
+no torch, numpy, asyncio, hivemind or sockets, and no global clock or global random state. Time is
+passed in as `now: float` and randomness as a `random.Random`, so unit tests and a simulator can drive
+every decision with fake clocks and seeded generators. `tests/unit/test_layering.py` enforces this.
+"""
+
+from swarm.core.bans import BanList
+from swarm.core.partition import split_layers
+from swarm.core.retry import backoff_delay
+from swarm.core.routing import (
+    Candidate,
+    SmoothWeightedRoundRobin,
+    choose_server,
+    routing_weight,
+    unmeasured_throughput,
+)
+from swarm.core.schedule import warmup_lr
+from swarm.core.stepping import expected_group, stage_ready
+from swarm.core.throughput import LatencyTracker, RateMeter
+
+__all__ = [
+    "BanList",
+    "Candidate",
+    "LatencyTracker",
+    "RateMeter",
+    "SmoothWeightedRoundRobin",
+    "backoff_delay",
+    "choose_server",
+    "expected_group",
+    "routing_weight",
+    "split_layers",
+    "stage_ready",
+    "unmeasured_throughput",
+    "warmup_lr",
+]

@@ -1,0 +1,51 @@
+"""Temporary bans of servers that failed, growing while a server keeps failing."""
+
+from __future__ import annotations
+
+# 2**60 times any sane base already exceeds any sane cap; bounding the exponent avoids float overflow.
+_MAX_DOUBLINGS = 60
+
+
+class BanList:
+    """Per-peer bans whose length doubles with each consecutive failure, up to `max_seconds`.
+
+    A failure reported while the peer is still banned does not lengthen the ban: several requests
+    that were in flight to one server usually fail together, and that is one outage, not many.
+    """
+
+    def __init__(self, base_seconds: float, max_seconds: float) -> None:
+        if base_seconds < 0 or max_seconds < base_seconds:
+            raise ValueError(f"need 0 <= base_seconds <= max_seconds, got {base_seconds}, {max_seconds}")
+        self.base_seconds = base_seconds
+        self.max_seconds = max_seconds
+        self._until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+
+    def ban(self, peer_id: str, now: float) -> float:
+        """Record a failure of `peer_id`; returns how long it stays banned from `now`."""
+        if self.is_banned(peer_id, now):
+            return self.remaining(peer_id, now)
+        failures = self._failures.get(peer_id, 0)
+        duration = min(self.base_seconds * 2.0 ** min(failures, _MAX_DOUBLINGS), self.max_seconds)
+        self._failures[peer_id] = failures + 1
+        self._until[peer_id] = now + duration
+        return duration
+
+    def forgive(self, peer_id: str) -> None:
+        """A success resets the failure count, but a running ban is left to expire.
+
+        A reply may belong to a request sent long before the failure that caused the ban, so it does
+        not prove the server keeps up now; it only means the next failure starts from the base again.
+        """
+        self._failures.pop(peer_id, None)
+
+    def is_banned(self, peer_id: str, now: float) -> bool:
+        return self._until.get(peer_id, now) > now
+
+    def remaining(self, peer_id: str, now: float) -> float:
+        return max(0.0, self._until.get(peer_id, now) - now)
+
+    def banned(self, now: float) -> set[str]:
+        """Peers banned at `now`; expired bans are dropped here (failure counts stay until forgiven)."""
+        self._until = {p: t for p, t in self._until.items() if t > now}
+        return set(self._until)

@@ -1,0 +1,74 @@
+"""The swarm's phone book: servers and trainers announce themselves in the DHT and read each other.
+
+Records expire unless renewed, so a peer that vanishes drops out of every view within `record_ttl`
+seconds; a peer that leaves gracefully writes a tombstone so it drops out at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from swarm.wire.records import RecordError, ServerRecord, TrainerRecord, stage_key, trainers_key
+
+log = logging.getLogger(__name__)
+
+
+class Directory:
+    def __init__(self, dht: DHT, run_id: str, record_ttl: float):
+        self.dht = dht
+        self.run_id = run_id
+        self.ttl = record_ttl
+
+    async def announce_server(self, record: ServerRecord) -> None:
+        await self.dht.store(
+            stage_key(self.run_id, record.stage),
+            record.to_value(),
+            expiration_time=get_dht_time() + self.ttl,
+            subkey=record.peer_id,
+            return_future=True,
+        )
+
+    async def withdraw_server(self, record: ServerRecord) -> None:
+        tombstone = ServerRecord(**{**record.__dict__, "gone": True})
+        await self.announce_server(tombstone)
+
+    async def stage(self, stage: int) -> list[ServerRecord]:
+        """Live servers of one stage, malformed and withdrawn entries dropped."""
+        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
+        return [r for r in _parse(found, ServerRecord.from_value) if not r.gone and r.stage == stage]
+
+    async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
+        return {k: await self.stage(k) for k in range(num_stages)}
+
+    async def announce_trainer(self, record: TrainerRecord, ttl: float | None = None) -> None:
+        await self.dht.store(
+            trainers_key(self.run_id),
+            record.to_value(),
+            expiration_time=get_dht_time() + (ttl or self.ttl),
+            subkey=record.peer_id,
+            return_future=True,
+        )
+
+    async def trainers(self) -> list[TrainerRecord]:
+        found = await self.dht.get(trainers_key(self.run_id), latest=True, return_future=True)
+        return _parse(found, TrainerRecord.from_value)
+
+
+def _parse(found, parse):
+    if found is None or not isinstance(found.value, dict):
+        return []
+    records = []
+    for subkey, item in found.value.items():
+        try:
+            records.append(parse(str(subkey), item.value))
+        except (RecordError, TypeError) as e:
+            log.debug("ignoring malformed record from %s: %s", subkey, e)
+    return records
+
+
+def short(peer_id: str) -> str:
+    """Peer ids are long base58 strings; logs show the tail, which is what differs between peers."""
+    return "…" + peer_id[-6:]

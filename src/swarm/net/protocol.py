@@ -1,0 +1,73 @@
+"""Framing of requests and replies: msgpack metadata plus tensors, streamed in 4 MiB parts.
+
+Every tensor-carrying call is a stream, because hivemind caps unary messages at 4 MiB and a larger
+one hangs the caller. Metadata rides on the first message only. The receiver counts bytes as parts
+arrive and refuses a payload over its limit before it is fully buffered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, TypeVar
+
+import msgpack
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from swarm.wire.validate import BadRequest
+
+CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024  # a little under the 4 MiB cap, leaving room for framing
+Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
+
+
+def encode(
+    cls: type[Message], meta: dict[str, Any], tensors: Sequence[torch.Tensor]
+) -> Iterator[Message]:
+    """Yield the messages that carry `meta` and `tensors`; at least one even with no tensors."""
+    first = True
+    parts = (
+        part
+        for t in tensors
+        for part in split_for_streaming(
+            serialize_torch_tensor(t.detach().contiguous().cpu()), CHUNK_BYTES
+        )
+    )
+    for part in parts:
+        msg = cls(tensors=[part])
+        if first:
+            msg.metadata = msgpack.packb(meta)
+            first = False
+        yield msg
+    if first:
+        yield cls(metadata=msgpack.packb(meta))
+
+
+async def decode(stream: AsyncIterator[Message], max_bytes: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one."""
+    meta: dict[str, Any] | None = None
+    tensors: list[torch.Tensor] = []
+    current: list[runtime_pb2.Tensor] = []
+    total = 0
+    try:
+        async for msg in stream:
+            if meta is None:
+                meta = msgpack.unpackb(msg.metadata) if msg.metadata else {}
+            for part in msg.tensors:
+                total += len(part.buffer)
+                if total > max_bytes:
+                    raise BadRequest(f"payload exceeds the limit of {max_bytes / 2**20:.1f} MiB")
+                if part.dtype and current:
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+                    current = []
+                current.append(part)
+        if current:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+    except BadRequest:
+        raise
+    except Exception as e:  # protobuf, msgpack and numpy errors all mean the same: garbage arrived
+        raise BadRequest(f"malformed payload: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict):
+        raise BadRequest("missing or malformed metadata")
+    return meta, tensors

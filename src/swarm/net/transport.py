@@ -1,0 +1,68 @@
+"""Calling a stage on a given peer, with a deadline on the whole exchange.
+
+hivemind's streaming calls take no timeout, and a call to a vanished peer can wait a long time, so
+every call here runs under `asyncio.wait_for`. Failures are reduced to one exception type that says
+whether the remote refused the request (our fault: retrying elsewhere will not help) or the call
+failed (their fault or the network's: retry elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from swarm.net.protocol import decode, encode
+from swarm.net.servicer import StageServicer
+
+REPLY_LIMIT_BYTES = 1 << 34  # replies come from servers we chose; the request side is what is capped
+
+
+class CallFailed(Exception):
+    """The call did not produce a reply. `refused` is True when the server rejected the request itself."""
+
+    def __init__(self, message: str, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
+
+
+class StageClient:
+    def __init__(self, p2p: P2P):
+        self.p2p = p2p
+
+    async def call(
+        self,
+        peer_id: str,
+        method: str,
+        meta: dict[str, Any],
+        tensors: Sequence[torch.Tensor],
+        timeout: float,
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
+
+        async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
+            requests = encode(runtime_pb2.ExpertRequest, meta, tensors)
+            stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
+            return await decode(stream, REPLY_LIMIT_BYTES)
+
+        try:
+            return await asyncio.wait_for(exchange(), timeout)
+        except TimeoutError as e:
+            raise CallFailed(f"{method} timed out after {timeout:.1f}s") from e
+        except P2PHandlerError as e:
+            text = str(e)
+            raise CallFailed(text, refused="refused:" in text) from e
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise CallFailed(f"{method} failed: {type(e).__name__}: {e}") from e
+
+
+async def _aiter(items):
+    for item in items:
+        yield item

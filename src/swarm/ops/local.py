@@ -1,0 +1,203 @@
+"""A whole swarm on this machine: a bootstrap peer, stage servers and trainers, each its own process.
+
+Each peer runs in its own process session, so that killing one (as a vanished machine would) can
+take down its whole group: hivemind's DHT child and p2pd daemon outlive a SIGKILL of the main
+process alone and would keep answering in its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from swarm.config import SwarmConfig, replace, to_toml
+from swarm.net.directory import Directory
+from swarm.net.node import start_dht
+
+log = logging.getLogger("swarm.local")
+
+
+@dataclass
+class Peer:
+    name: str
+    role: str
+    process: subprocess.Popen
+    log_path: Path
+    stage: int | None = None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Signal the peer's whole process group; a peer already gone is not an error."""
+        try:
+            os.killpg(self.process.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@dataclass
+class SwarmStatus:
+    epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
+    pending: int = 0  # samples accumulated but not yet stepped, over all servers
+    trainers_done: int = 0
+    trainer_samples: int = 0
+    loss: float = float("nan")
+
+    @property
+    def min_epoch(self) -> int:
+        return min((min(e) for e in self.epochs.values() if e), default=0)
+
+
+class LocalSwarm:
+    def __init__(self, cfg: SwarmConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.peers: list[Peer] = []
+        self.initial_peers: tuple[str, ...] = ()
+        self._counter = 0
+
+    # ---- starting peers ----------------------------------------------------------------------
+
+    def _spawn(
+        self, role: str, name: str, overrides: list[str], stage: int | None = None, extra: tuple[str, ...] = ()
+    ) -> Peer:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{name}.log"
+        threads = str(self.cfg.local.threads_per_peer)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
+        for o in overrides:
+            cmd += ["--set", o]
+        cmd += extra
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
+        peer = Peer(name, role, process, log_path, stage)
+        self.peers.append(peer)
+        return peer
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+        addr_file = self.run_dir / "bootstrap.addr"
+        addr_file.unlink(missing_ok=True)
+        bootstrap = self._spawn("dht", "bootstrap", [], None, extra=(f"--addr-file={addr_file}",))
+        self._wait(lambda: addr_file.exists() and addr_file.read_text().strip(), 60, "the bootstrap peer", bootstrap)
+        self.initial_peers = tuple(addr_file.read_text().split())
+        for stage in range(self.cfg.model.num_stages):
+            for _ in range(self.cfg.local.servers_per_stage):
+                self.add_server(stage)
+        for index in range(self.cfg.local.trainers):
+            self.add_trainer(index)
+
+    def _peers_override(self) -> str:
+        return "net.initial_peers=[" + ",".join(f'"{a}"' for a in self.initial_peers) + "]"
+
+    def add_server(self, stage: int) -> Peer:
+        self._counter += 1
+        return self._spawn(
+            "server", f"server-s{stage}-{self._counter}", [self._peers_override(), f"server.stage={stage}"], stage
+        )
+
+    def add_trainer(self, index: int) -> Peer:
+        overrides = [
+            self._peers_override(), f"trainer.index={index}", f"trainer.num_trainers={self.cfg.local.trainers}"
+        ]
+        return self._spawn("trainer", f"trainer-{index}", overrides)
+
+    def servers(self, stage: int | None = None) -> list[Peer]:
+        return [p for p in self.peers if p.role == "server" and p.alive() and (stage is None or p.stage == stage)]
+
+    def trainers(self) -> list[Peer]:
+        return [p for p in self.peers if p.role == "trainer"]
+
+    def _wait(self, condition, timeout: float, what: str, peer: Peer | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if peer is not None and not peer.alive():
+                raise RuntimeError(f"{what} exited early; see {peer.log_path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not come up within {timeout:.0f}s")
+            time.sleep(0.1)
+
+    # ---- watching the run --------------------------------------------------------------------
+
+    async def status(self, directory: Directory) -> SwarmStatus:
+        status = SwarmStatus()
+        for stage, records in (await directory.stages(self.cfg.model.num_stages)).items():
+            status.epochs[stage] = sorted(r.epoch for r in records)
+            status.pending += sum(r.pending for r in records)
+        trainers = await directory.trainers()
+        status.trainers_done = sum(t.done for t in trainers)
+        status.trainer_samples = sum(t.completed for t in trainers)
+        losses = [t.loss for t in trainers if t.loss == t.loss]
+        status.loss = sum(losses) / len(losses) if losses else float("nan")
+        return status
+
+    def wait_until_done(self, progress: bool = True) -> SwarmStatus:
+        return asyncio.run(self._watch(progress))
+
+    async def _watch(self, progress: bool) -> SwarmStatus:
+        """Follow the run until every trainer finished and every stage flushed its last samples."""
+        dht = start_dht(replace(self.cfg, net={"initial_peers": self.initial_peers, "port": 0}).net, client_mode=True)
+        directory = Directory(dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
+        target = self.cfg.trainer.target_steps
+        bar = tqdm(total=target, desc="steps", unit="step", disable=not progress, dynamic_ncols=True)
+        deadline = time.monotonic() + self.cfg.local.timeout
+        started, status = time.monotonic(), SwarmStatus()
+        try:
+            while True:
+                await asyncio.sleep(1.0)
+                status = await self.status(directory)
+                bar.update(max(0, min(status.min_epoch, target) - bar.n))
+                rate = status.trainer_samples / max(time.monotonic() - started, 1e-9)
+                bar.set_postfix_str(
+                    f"loss {status.loss:.3f} | {rate:.1f} samples/s | servers/stage "
+                    + "/".join(str(len(status.epochs.get(k, []))) for k in range(self.cfg.model.num_stages))
+                )
+                trainers_over = all(not p.alive() for p in self.trainers())
+                stages_even = all(len(set(e)) == 1 for e in status.epochs.values() if e)
+                if trainers_over and status.pending == 0 and stages_even:
+                    return status
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the run did not finish within {self.cfg.local.timeout:.0f}s")
+        finally:
+            bar.close()
+            dht.shutdown()
+
+    # ---- stopping ----------------------------------------------------------------------------
+
+    def stop(self, grace: float = 30.0) -> None:
+        """SIGINT every peer (they leave cleanly), then SIGKILL the groups of any that linger."""
+        for p in self.peers:
+            if p.alive():
+                p.signal(signal.SIGINT)
+        deadline = time.monotonic() + grace
+        for p in self.peers:
+            try:
+                p.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not exit in time; killing it", p.name)
+        for p in self.peers:
+            p.signal(signal.SIGKILL)  # reaps any DHT child or p2pd left behind in the group
+            p.process.wait()
+
+    def __enter__(self) -> LocalSwarm:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,108 @@
+"""The run's results, gathered from every peer's summary: one JSON file and two plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    peers = [json.loads(p.read_text()) for p in sorted((run_dir / "peers").glob("*.json"))]
+    servers = [p for p in peers if p["role"] == "server"]
+    trainers = [p for p in peers if p["role"] == "trainer"]
+    completed = sorted((c for t in trainers for c in t["completed"]), key=lambda c: c[0])
+    stages: dict[int, dict[str, Any]] = {}
+    for s in servers:
+        st = stages.setdefault(s["stage"], {"replicas": [], "samples_stepped": 0, "steps": 0})
+        st["replicas"].append(
+            {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
+                               "throughput", "refused", "failed_rounds", "catch_ups", "lost_samples")}
+        )
+        if s["steps"] and (s["epoch"] >= st["steps"]):
+            # every replica logs the whole stage's sample count per step; take the most complete log
+            by_epoch = {step["epoch"]: step["samples"] for step in s["steps"]}
+            st.setdefault("_logs", []).append(by_epoch)
+    for st in stages.values():
+        merged: dict[int, int] = {}
+        for by_epoch in st.pop("_logs", []):
+            merged.update(by_epoch)
+        st["steps"] = max(merged, default=0)
+        st["samples_stepped"] = sum(merged.values())
+        st["samples_by_step"] = [merged.get(e, 0) for e in range(1, st["steps"] + 1)]
+    start = min((t["started"] for t in trainers if t["started"]), default=None)
+    end = completed[-1][0] if completed else None
+    samples = sum(c[1] for c in completed)
+    return {
+        "samples_completed": samples,
+        "microbatches_failed": sum(t["failed"] for t in trainers),
+        "retries": sum(t["retries"] for t in trainers),
+        "wall_seconds": (end - start) if start and end else None,
+        "samples_per_second": samples / (end - start) if start and end and end > start else None,
+        "first_loss": _mean([c[2] for c in completed[:20]]),
+        "final_loss": _mean([c[2] for c in completed[-20:]]),
+        "stages": {str(k): v for k, v in sorted(stages.items())},
+        "_completed": completed,
+        "_start": start,
+    }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def plot(summary: dict[str, Any], run_dir: Path) -> None:
+    completed, start = summary["_completed"], summary["_start"]
+    if not completed or start is None:
+        return
+    t = [c[0] - start for c in completed]
+    loss = [c[2] for c in completed]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    ax[0].plot(t, loss, ".", alpha=0.25, label="microbatch")
+    ax[0].plot(t, _smooth(loss, 20), label="moving mean (20)")
+    ax[0].set(xlabel="seconds", ylabel="loss (nats/byte)", title="training loss")
+    ax[0].legend()
+    steps = [c[3] for c in completed]
+    ax[1].plot(steps, loss, ".", alpha=0.25)
+    ax[1].set(xlabel="optimizer step of the last stage", ylabel="loss", title="loss by step")
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=110)
+    plt.close(fig)
+
+    window = 10.0
+    edges = [i * window for i in range(int(t[-1] // window) + 2)]
+    rates = [sum(c[1] for c, ti in zip(completed, t, strict=True) if lo <= ti < lo + window) / window for lo in edges]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.step(edges, rates, where="post")
+    ax.set(xlabel="seconds", ylabel="samples/s", title=f"throughput (completed samples, {window:.0f}s windows)")
+    fig.tight_layout()
+    fig.savefig(run_dir / "throughput.png", dpi=110)
+    plt.close(fig)
+
+
+def _smooth(xs: list[float], n: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= n:
+            acc -= xs[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def write_report(run_dir: Path) -> dict[str, Any]:
+    summary = collect(run_dir)
+    plot(summary, run_dir)
+    public = {k: v for k, v in summary.items() if not k.startswith("_")}
+    (run_dir / "summary.json").write_text(json.dumps(public, indent=1, default=_json_safe))
+    return public
+
+
+def _json_safe(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else str(v)

@@ -1,0 +1,35 @@
+"""`swarm demo` / `swarm local`: launch, follow, stop, report."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from swarm.config import SwarmConfig
+from swarm.ops.local import LocalSwarm
+from swarm.ops.report import write_report
+
+log = logging.getLogger("swarm.local")
+
+
+def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
+    m, loc = cfg.model, cfg.local
+    log.info(
+        "local swarm: %d stages x %d servers, %d trainers, %d steps of %d samples; logs in %s/logs",
+        m.num_stages, loc.servers_per_stage, loc.trainers, cfg.trainer.target_steps, cfg.optim.target_batch_size,
+        cfg.run_dir,
+    )
+    swarm = LocalSwarm(cfg)
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=progress)
+    finally:
+        swarm.stop()
+    summary = write_report(Path(cfg.run_dir))
+    log.info(
+        "done: %d samples in %.0fs (%.1f samples/s), loss %.3f -> %.3f; see %s/summary.json, loss.png, throughput.png",
+        summary["samples_completed"], summary["wall_seconds"] or 0, summary["samples_per_second"] or 0,
+        summary["first_loss"] or 0, summary["final_loss"] or 0, cfg.run_dir,
+    )
+    return summary

@@ -1,0 +1,212 @@
+"""A stage's compute: forward, backward, gradient accumulation and the optimizer step.
+
+Everything here is synchronous torch code that runs on the server's single compute thread, so no
+locking is needed inside. Networking, batching of requests and scheduling live in `server.py`.
+
+Gradients are accumulated as *sums over samples* (the last stage back-propagates `loss * batch`), so
+an all-reduced sum divided by the stage's total sample count is the exact mean gradient of the step,
+however unevenly trainers spread their microbatches over the replicas.
+
+Forward graphs are kept so that the backward usually costs one backward pass (the fast path). A kept
+graph is only valid for the epoch it was built in: the optimizer step changes the weights in place,
+so after a step (or when the graph was evicted, or the backward arrives at another replica) the
+backward recomputes the forward from the inputs the trainer sends along.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from swarm.config import OptimConfig
+from swarm.core.schedule import warmup_lr
+
+
+@dataclass
+class _BatchGraph:
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    epoch: int
+    created: float
+    remaining: int  # requests of this batch whose backward has not run yet
+
+
+@dataclass
+class _Kept:
+    graph: _BatchGraph
+    rows: slice
+
+
+@dataclass
+class StepRecord:
+    epoch: int  # the epoch this step produced
+    samples: int  # samples of the whole stage that went into it
+    group: int  # replicas that took part
+    lr: float
+    grad_norm: float
+    digest: str  # hash of the parameters after the step: equal digests mean bit-identical replicas
+    time: float = field(default_factory=time.time)
+
+
+class StageRuntime:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optim: OptimConfig,
+        device: str = "cpu",
+        autocast: str = "none",
+        graph_ttl: float = 120.0,
+    ):
+        self.device = torch.device(device)
+        self.module = module.to(self.device)
+        self.is_first = bool(getattr(module, "is_first", False))
+        self.is_last = bool(getattr(module, "is_last", False))
+        self.optim_cfg = optim
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        )
+        self.autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
+        self.graph_ttl = graph_ttl
+        self.epoch = 0
+        self.pending_samples = 0  # accumulated since the last step
+        self.graphs: dict[str, _Kept] = {}
+        self.fast_backwards = 0
+        self.recomputed_backwards = 0
+
+    # ---- compute -------------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _leaf(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device)
+        return x if self.is_first else x.detach().float().requires_grad_(True)
+
+    def forward(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Run several requests as one batch; keep the graph for each request's backward."""
+        self.evict_stale_graphs()
+        inputs = self._leaf(torch.cat([x for _, x in requests]))
+        with self._autocast():
+            outputs = self.module(inputs)
+        graph = _BatchGraph(inputs, outputs, self.epoch, time.monotonic(), len(requests))
+        results, start = [], 0
+        for req_id, x in requests:
+            rows = slice(start, start + x.shape[0])
+            self.graphs[req_id] = _Kept(graph, rows)
+            results.append(outputs[rows].detach().float().cpu())
+            start = rows.stop
+        return results
+
+    def forward_backward_last(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """The last stage: loss, and the gradient with respect to its inputs, in one call."""
+        inputs = self._leaf(x)
+        with self._autocast():
+            loss = self.module(inputs, targets.to(self.device))
+        (loss.float() * x.shape[0]).backward()
+        self.pending_samples += x.shape[0]
+        grad = None if self.is_first else inputs.grad.cpu()
+        return float(loss.detach()), grad
+
+    def backward(self, req_id: str, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+        kept = self.graphs.pop(req_id, None)
+        if kept is not None and kept.graph.epoch == self.epoch:
+            graph = kept.graph
+            graph.remaining -= 1
+            torch.autograd.backward(
+                graph.outputs[kept.rows], grad_out.to(self.device), retain_graph=graph.remaining > 0
+            )
+            grad = None if self.is_first else graph.inputs.grad[kept.rows].cpu()
+            self.fast_backwards += 1
+        else:
+            inputs = self._leaf(x)
+            with self._autocast():
+                outputs = self.module(inputs)
+            outputs.backward(grad_out.to(self.device))
+            grad = None if self.is_first else inputs.grad.cpu()
+            self.recomputed_backwards += 1
+        self.pending_samples += x.shape[0]
+        return grad
+
+    def evict_stale_graphs(self) -> None:
+        """Drop graphs whose backward never came (the trainer died) or that a step made invalid."""
+        now = time.monotonic()
+        stale = [
+            r for r, k in self.graphs.items() if k.graph.epoch != self.epoch or now - k.graph.created > self.graph_ttl
+        ]
+        for r in stale:
+            del self.graphs[r]
+
+    # ---- the optimizer step ----------------------------------------------------------------------
+
+    def flat_grad(self) -> torch.Tensor:
+        """All accumulated gradients as one float32 vector on the CPU (zeros where none arrived yet)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
+
+    def apply_step(self, mean_grad: torch.Tensor, samples: int, group: int) -> StepRecord:
+        """Take the optimizer step every replica of the stage takes, from the stage's mean gradient."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = mean_grad[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype).clone()
+            offset += n
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm or math.inf))
+        lr = warmup_lr(self.epoch, self.optim_cfg.lr, self.optim_cfg.warmup_steps)
+        for group_ in self.optimizer.param_groups:
+            group_["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.epoch += 1
+        self.pending_samples = 0
+        self.graphs.clear()
+        return StepRecord(self.epoch, samples, group, lr, norm, self.digest())
+
+    def discard_gradients(self) -> int:
+        """Forget accumulated gradients (they belong to weights this replica no longer holds)."""
+        lost = self.pending_samples
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending_samples = 0
+        self.graphs.clear()
+        return lost
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    # ---- state transfer (newcomers and stragglers) ---------------------------------------------
+
+    def state(self) -> tuple[dict, list[torch.Tensor]]:
+        """Parameters, buffers and optimizer state, flattened for the wire."""
+        names, tensors = [], []
+        for name, t in self.module.state_dict().items():
+            names.append(name)
+            tensors.append(t.detach().cpu().clone())
+        opt_keys = []
+        for index, st in sorted(self.optimizer.state_dict()["state"].items()):
+            for key, value in sorted(st.items()):
+                opt_keys.append([index, key])
+                tensors.append(torch.as_tensor(value).detach().cpu().clone())
+        return {"epoch": self.epoch, "names": names, "opt_keys": opt_keys}, tensors
+
+    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        names, opt_keys = meta["names"], meta["opt_keys"]
+        if len(tensors) != len(names) + len(opt_keys):
+            raise ValueError(f"state has {len(tensors)} tensors, expected {len(names) + len(opt_keys)}")
+        self.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
+        opt_state = self.optimizer.state_dict()
+        opt_state["state"] = {}
+        for (index, key), t in zip(opt_keys, tensors[len(names) :], strict=True):
+            opt_state["state"].setdefault(index, {})[key] = t
+        self.optimizer.load_state_dict(opt_state)
+        self.epoch = int(meta["epoch"])
+        self.discard_gradients()

@@ -1,0 +1,410 @@
+"""A stage server's life: join the DHT, load the stage's current state, announce, serve, step, leave.
+
+Concurrency: one asyncio loop handles the network; all torch work runs on one compute thread,
+entered through `_gate` (an asyncio lock), so requests queue instead of oversubscribing the cores.
+The stage's optimizer step also holds the gate for its whole round: no gradient can slip in between
+the all-reduce and the step, which is what makes the step synchronous across the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.averaging.allreduce import RoundFailed, StageAllReduce
+from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
+from swarm.core import RateMeter, backoff_delay, expected_group, stage_ready
+from swarm.model import load_stages
+from swarm.net.directory import Directory, short
+from swarm.net.node import start_dht, visible_addresses
+from swarm.net.servicer import StageServicer
+from swarm.net.transport import CallFailed, StageClient
+from swarm.server.runtime import StageRuntime, StepRecord
+from swarm.wire.records import ServerRecord
+from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_tensor
+
+log = logging.getLogger("swarm.server")
+
+
+def probe_specs(cfg: SwarmConfig) -> tuple[TensorSpec, TensorSpec | None]:
+    """What this stage accepts and emits, found by pushing one sample through the stages before it."""
+    stages = load_stages(cfg.model)
+    k, seq = cfg.server.stage, cfg.model.seq_len
+    ids_spec = TensorSpec(torch.int64, (seq,), max_value=cfg.model.vocab_size)
+    x = torch.zeros(1, seq, dtype=torch.int64)
+    with torch.no_grad():
+        for stage in stages[:k]:
+            x = stage(x)
+        in_spec = ids_spec if k == 0 else TensorSpec(x.dtype, tuple(x.shape[1:]))
+        if k == len(stages) - 1:
+            return in_spec, None
+        y = stages[k](x)
+    return in_spec, TensorSpec(y.dtype, tuple(y.shape[1:]))
+
+
+class StageServer:
+    def __init__(self, cfg: SwarmConfig):
+        self.cfg = cfg
+        self.stage = cfg.server.stage
+        self.hash = config_hash(cfg.model)
+        self.max_request_bytes = int(cfg.net.max_payload_mb * 2**20)
+        self.rng = random.Random()
+        self.meter = RateMeter(alpha=0.3)
+        self.steps: list[StepRecord] = []
+        self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0}
+        self._queued = 0
+        self._window_samples = 0
+        self._window_busy = 0.0
+        self._fwd_queue: list[tuple[str, torch.Tensor, asyncio.Future]] = []
+        self._wake_epoch: int | None = None
+        self._announced_pending = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        cfg = self.cfg
+        if cfg.server.threads:
+            torch.set_num_threads(cfg.server.threads)
+        self.stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        self._gate = asyncio.Lock()
+        self._fwd_ready = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+
+        self.in_spec, self.out_spec = probe_specs(cfg)
+        module = load_stages(cfg.model)[self.stage]
+        self.runtime = StageRuntime(module, cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
+
+        self.dht = start_dht(cfg.net)
+        try:
+            self.peer_id = self.dht.peer_id.to_base58()
+            p2p = await self.dht.replicate_p2p()
+            self.client = StageClient(p2p)
+            self.directory = Directory(self.dht, cfg.net.run_id, cfg.net.record_ttl)
+            self.allreduce = StageAllReduce(
+                self.client, self.peer_id, self.stage, cfg.net.allreduce_timeout, self._on_wake
+            )
+            await self._check_configs()
+            await StageServicer(self).add_p2p_handlers(p2p)
+            ahead = [r for r in await self.directory.stage(self.stage) if r.epoch > self.runtime.epoch]
+            if ahead:
+                await self._download_state(ahead)
+            log.info(
+                "stage %d server %s up on %s, epoch %d, device %s",
+                self.stage, short(self.peer_id), visible_addresses(self.dht)[0], self.runtime.epoch,
+                cfg.server.device,
+            )
+            await self._announce()
+            tasks = [asyncio.create_task(t) for t in (self._announce_loop(), self._step_loop(), self._batch_loop())]
+            await self.stop.wait()
+            log.info("stage %d server %s leaving", self.stage, short(self.peer_id))
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            async with self._gate:  # let the computation in progress finish
+                pass
+            await self.directory.withdraw_server(self._record())
+        finally:
+            self._write_summary()
+            self._executor.shutdown(wait=True)
+            self.dht.shutdown()
+
+    async def _check_configs(self) -> None:
+        for records in (await self.directory.stages(self.cfg.model.num_stages)).values():
+            for r in records:
+                if r.config_hash != self.hash:
+                    raise ConfigMismatch(
+                        f"server {short(r.peer_id)} of stage {r.stage} runs a different model config "
+                        f"({describe_mismatch(model_fingerprint(self.cfg.model), r.model)}); "
+                        "use the same model section, or another net.run_id"
+                    )
+
+    # ---- announcements -------------------------------------------------------------------------
+
+    def _record(self) -> ServerRecord:
+        return ServerRecord(
+            peer_id=self.peer_id,
+            stage=self.stage,
+            throughput=self.meter.rate,
+            queue=self._queued,
+            epoch=self.runtime.epoch,
+            pending=self.runtime.pending_samples,
+            config_hash=self.hash,
+            model=model_fingerprint(self.cfg.model),
+        )
+
+    async def _announce(self) -> None:
+        if self._window_busy > 0:
+            self.meter.update(self._window_samples, self._window_busy)
+            self._window_samples, self._window_busy = 0, 0.0
+        record = self._record()
+        await self.directory.announce_server(record)
+        self._announced_pending = record.pending
+
+    async def _announce_loop(self) -> None:
+        """Re-announce every period, and sooner while gradients accumulate: replicas decide when the
+        stage steps from each other's announced sample counts, so stale counts mean oversized steps."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(min(0.1, self.cfg.net.announce_period))
+            changed = self.runtime.pending_samples != self._announced_pending
+            if not changed and time.monotonic() - last < self.cfg.net.announce_period:
+                continue
+            last = time.monotonic()
+            try:
+                await self._announce()
+            except Exception as e:  # the DHT may be briefly unreachable; the next announcement retries
+                log.warning("announcement failed: %s", e)
+
+    # ---- compute ------------------------------------------------------------------------------
+
+    async def _compute(self, fn, *args):
+        self._queued += 1
+        try:
+            async with self._gate:
+                self._queued -= 1
+                return await self._run_timed(fn, *args)
+        finally:
+            self._queued = max(0, self._queued)
+
+    async def _run_timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._window_busy += time.perf_counter() - start
+
+    async def _batch_loop(self) -> None:
+        """Merge forward requests that queued up while the compute thread was busy into one batch."""
+        limit = self.cfg.server.max_batch_samples
+        while True:
+            await self._fwd_ready.wait()
+            async with self._gate:
+                batch, size = [], 0
+                while self._fwd_queue and (not batch or size + self._fwd_queue[0][1].shape[0] <= limit):
+                    item = self._fwd_queue.pop(0)
+                    batch.append(item)
+                    size += item[1].shape[0]
+                if not self._fwd_queue:
+                    self._fwd_ready.clear()
+                self._queued -= len(batch)
+                try:
+                    outputs = await self._run_timed(self.runtime.forward, [(r, x) for r, x, _ in batch])
+                except Exception as e:
+                    log.exception("forward batch failed")
+                    for _, _, fut in batch:
+                        fut.set_exception(RuntimeError(f"forward failed: {e}"))
+                    continue
+                for (_, _, fut), y in zip(batch, outputs, strict=True):
+                    if not fut.done():
+                        fut.set_result(y)
+
+    # ---- RPC handlers (called by StageServicer) --------------------------------------------------
+
+    def _admit(self, meta: dict[str, Any], caller: str) -> str:
+        if self.stop.is_set():
+            raise RuntimeError("server is shutting down")
+        if meta.get("config") != self.hash:
+            raise BadRequest(f"model config hash {meta.get('config')!r} differs from this server's {self.hash}")
+        if meta.get("stage") != self.stage:
+            raise BadRequest(f"this server hosts stage {self.stage}, not {meta.get('stage')!r}")
+        req = meta.get("req")
+        if not isinstance(req, str) or not req:
+            raise BadRequest("missing request id")
+        return f"{caller}/{req}"
+
+    def _refuse(self, method: str, caller: str, error: BadRequest) -> None:
+        self.counters["refused"] += 1
+        log.warning("refused %s from %s: %s", method, short(caller), error)
+
+    async def forward(self, meta, tensors, caller):
+        try:
+            key = self._admit(meta, caller)
+            if self.runtime.is_last:
+                if len(tensors) != 2:
+                    raise BadRequest(f"the last stage takes (inputs, targets), got {len(tensors)} tensors")
+                x, targets = tensors
+                check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
+                check_tensor(
+                    "targets", targets, TensorSpec(torch.int64, x.shape[1:2], self.cfg.model.vocab_size),
+                    self.cfg.server.max_batch_samples,
+                )
+                check_same_batch(("inputs", x), ("targets", targets))
+            else:
+                if len(tensors) != 1:
+                    raise BadRequest(f"forward takes one tensor, got {len(tensors)}")
+                x = tensors[0]
+                check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
+        except BadRequest as e:
+            self._refuse("forward", caller, e)
+            raise
+        if self.runtime.is_last:
+            loss, grad = await self._compute(self.runtime.forward_backward_last, x, targets)
+            self._window_samples += x.shape[0]
+            self._wake.set()  # the stage may have just reached its batch size
+            return {"epoch": self.runtime.epoch, "loss": loss}, [] if grad is None else [grad]
+        fut = asyncio.get_running_loop().create_future()
+        self._fwd_queue.append((key, x, fut))
+        self._queued += 1
+        self._fwd_ready.set()
+        return {"epoch": self.runtime.epoch}, [await fut]
+
+    async def backward(self, meta, tensors, caller):
+        try:
+            key = self._admit(meta, caller)
+            if self.runtime.is_last or self.out_spec is None:
+                raise BadRequest("the last stage runs its backward within forward")
+            if len(tensors) != 2:
+                raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
+            x, dy = tensors
+            check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
+            check_tensor("grad_outputs", dy, self.out_spec, self.cfg.server.max_batch_samples)
+            check_same_batch(("inputs", x), ("grad_outputs", dy))
+        except BadRequest as e:
+            self._refuse("backward", caller, e)
+            raise
+        grad = await self._compute(self.runtime.backward, key, x, dy)
+        self._window_samples += x.shape[0]
+        self._wake.set()  # the stage may have just reached its batch size
+        return {"epoch": self.runtime.epoch}, [] if grad is None else [grad]
+
+    async def state(self, meta, caller):
+        meta, tensors = await self._compute(self.runtime.state)
+        return meta, tensors
+
+    async def reduce(self, meta, tensors, caller):
+        return await self.allreduce.contribute(meta, tensors, caller)
+
+    def _on_wake(self, epoch: int) -> bool:
+        if epoch != self.runtime.epoch:
+            return False
+        self._wake_epoch = epoch
+        self._wake.set()
+        return True
+
+    # ---- the stage's optimizer step ------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                view = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
+                epoch = self.runtime.epoch
+                woken = self._wake_epoch == epoch
+                ahead = [r for r in view if r.epoch > epoch]
+                if ahead and not woken:
+                    await self._download_state(ahead)
+                    continue
+                peers = {r.peer_id: r.pending for r in view if r.epoch == epoch}
+                if not (woken or stage_ready(self.runtime.pending_samples, peers, self.cfg.optim.target_batch_size)
+                        or await self._run_is_over(peers)):
+                    continue
+                await self._step_round(epoch, expected_group(self.peer_id, peers))
+                failures = 0
+            except RoundFailed as e:
+                failures += 1
+                self.counters["failed_rounds"] += 1
+                log.warning("stage %d step %d round failed (%s); retrying", self.stage, self.runtime.epoch + 1, e)
+                await asyncio.sleep(backoff_delay(failures, 0.2, 3.0, self.rng))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("step loop error")
+                await asyncio.sleep(1.0)
+            finally:
+                if self._wake_epoch is not None and self._wake_epoch < self.runtime.epoch:
+                    self._wake_epoch = None
+
+    async def _run_is_over(self, peers: dict[str, int]) -> bool:
+        """All trainers finished: flush what the stage still holds, so no completed sample is left out."""
+        if self.runtime.pending_samples + sum(peers.values()) == 0:
+            return False
+        trainers = await self.directory.trainers()
+        return bool(trainers) and all(t.done for t in trainers)
+
+    async def _step_round(self, epoch: int, group: tuple[str, ...]) -> None:
+        async with self._gate:
+            if self.runtime.epoch != epoch:
+                return
+            samples = self.runtime.pending_samples
+            flat = await self._run_timed(self.runtime.flat_grad)
+            if len(group) > 1:
+                mean, total = await self.allreduce.run(epoch, group, flat, samples)
+            else:
+                mean, total = flat / max(samples, 1), samples
+            record = await self._run_timed(self.runtime.apply_step, mean, total, len(group))
+        self.steps.append(record)
+        log.info(
+            "stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
+            self.stage, record.epoch, record.samples, record.group, record.lr, record.grad_norm,
+        )
+        await self._announce()
+
+    # ---- catching up -------------------------------------------------------------------------
+
+    async def _download_state(self, candidates: list[ServerRecord]) -> None:
+        """Load parameters and optimizer state from the most advanced replica that answers."""
+        for source in sorted(candidates, key=lambda r: -r.epoch):
+            try:
+                meta, tensors = await self.client.call(
+                    source.peer_id, "state", {"stage": self.stage}, [], self.cfg.trainer.request_timeout
+                )
+            except CallFailed as e:
+                log.warning("state download from %s failed: %s", short(source.peer_id), e)
+                continue
+            async with self._gate:
+                if meta["epoch"] <= self.runtime.epoch:
+                    return
+                lost = self.runtime.pending_samples
+                await self._run_timed(self.runtime.load_state, meta, tensors)
+            self.counters["catch_ups"] += 1
+            self.counters["lost_samples"] += lost
+            log.info(
+                "stage %d server %s loaded epoch %d from %s%s",
+                self.stage, short(self.peer_id), self.runtime.epoch, short(source.peer_id),
+                f" (dropped {lost} samples computed at older weights)" if lost else "",
+            )
+            return
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def _write_summary(self) -> None:
+        runtime = getattr(self, "runtime", None)
+        if runtime is None or not hasattr(self, "peer_id"):
+            return
+        out = Path(self.cfg.run_dir) / "peers"
+        out.mkdir(parents=True, exist_ok=True)
+        summary = {
+            "role": "server",
+            "stage": self.stage,
+            "peer_id": self.peer_id,
+            "epoch": runtime.epoch,
+            "digest": runtime.digest(),
+            "steps": [asdict(s) for s in self.steps],
+            "fast_backwards": runtime.fast_backwards,
+            "recomputed_backwards": runtime.recomputed_backwards,
+            "throughput": self.meter.rate,
+            **self.counters,
+        }
+        (out / f"server-s{self.stage}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,90 @@
+"""What peers publish in the DHT, and strict parsing of what others published.
+
+A stage is one DHT key with one subkey per server, so a single `get` lists the stage. Values are
+small dicts (far below the DHT's ~64 KiB limit). Anything malformed is dropped by the reader, never
+trusted: a record is data from an unknown peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class RecordError(ValueError):
+    """A DHT value does not have the shape of a record."""
+
+
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}_stage{stage}"
+
+
+def trainers_key(run_id: str) -> str:
+    return f"{run_id}_trainers"
+
+
+def _fields_from(cls: type, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise RecordError(f"expected a dict, got {type(value).__name__}")
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "peer_id":
+            continue
+        if f.name not in value:
+            if f.default is not dataclasses.MISSING:
+                continue
+            raise RecordError(f"missing field {f.name!r}")
+        v = value[f.name]
+        expected = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict}[str(f.type)]
+        if not isinstance(v, expected) or (f.type == "int" and isinstance(v, bool)):
+            raise RecordError(f"field {f.name!r} has type {type(v).__name__}")
+        out[f.name] = float(v) if f.type == "float" else v
+    return out
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    """A stage server's announcement: enough to route to it and to coordinate its stage's steps."""
+
+    peer_id: str
+    stage: int
+    throughput: float  # samples/s of forward+backward, measured
+    queue: int  # requests waiting for compute
+    epoch: int  # optimizer steps this replica has applied
+    pending: int  # samples accumulated toward the next step
+    config_hash: str
+    model: dict  # the model config, so a mismatch can be explained field by field
+    gone: bool = False  # tombstone written on graceful exit
+
+    def to_value(self) -> dict[str, Any]:
+        value = dataclasses.asdict(self)
+        del value["peer_id"]
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> ServerRecord:
+        fields = _fields_from(cls, value)
+        if fields["stage"] < 0 or fields["epoch"] < 0 or fields["pending"] < 0 or fields["queue"] < 0:
+            raise RecordError("negative counter")
+        return cls(peer_id=peer_id, **fields)
+
+
+@dataclass(frozen=True)
+class TrainerRecord:
+    """A trainer's progress, read by servers (to know when the run's last samples are in) and launchers."""
+
+    peer_id: str
+    completed: int  # samples whose backward reached stage 0
+    failed: int  # microbatches given up after all retries
+    loss: float  # recent mean loss
+    done: bool  # the trainer has stopped sending work and drained what it had in flight
+
+    def to_value(self) -> dict[str, Any]:
+        value = dataclasses.asdict(self)
+        del value["peer_id"]
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> TrainerRecord:
+        return cls(peer_id=peer_id, **_fields_from(cls, value))

@@ -1,0 +1,143 @@
+"""Configuration: defaults, TOML files, overrides, validation messages, model hashing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarm.config import (
+    ConfigError,
+    ModelConfig,
+    SwarmConfig,
+    config_hash,
+    describe_mismatch,
+    load_config,
+    model_fingerprint,
+    replace,
+    to_toml,
+)
+
+OVERRIDES = (
+    "model.d_model=256",
+    'net.initial_peers=["/ip4/1.2.3.4/tcp/5/p2p/Qm"]',
+    "optim.betas=[0.8, 0.9]",
+)
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg == SwarmConfig()
+    assert cfg.server.stage < cfg.model.num_stages
+
+
+def test_file_and_overrides_load_with_right_types(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('run_dir = "runs/x"\n\n[model]\nn_layers = 8\nnum_stages = 4\n\n[optim]\nlr = 1\n')
+    cfg = load_config(path, OVERRIDES)
+    assert cfg.run_dir == "runs/x"
+    assert cfg.model.n_layers == 8 and cfg.model.num_stages == 4
+    assert cfg.model.d_model == 256 and type(cfg.model.d_model) is int
+    assert cfg.net.initial_peers == ("/ip4/1.2.3.4/tcp/5/p2p/Qm",)
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
+
+
+def test_overrides_win_over_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nd_model = 64\n")
+    assert load_config(path, ["model.d_model=32"]).model.d_model == 32
+
+
+def test_to_toml_round_trips(tmp_path):
+    cfg = load_config(None, [*OVERRIDES, "data.path=corpus.txt", "optim.lr=1e-5", "server.device=cuda:1"])
+    path = tmp_path / "out.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+    default_path = tmp_path / "default.toml"
+    default_path.write_text(to_toml(SwarmConfig()))
+    assert load_config(default_path) == SwarmConfig()
+
+
+def test_to_toml_round_trips_awkward_strings(tmp_path):
+    awkward = 'a "quoted"\\path\nwith\ttabs, \x7f and \u00e9'
+    cfg = replace(SwarmConfig(), run_dir=awkward, data={"path": awkward})
+    path = tmp_path / "out.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        (["model.d_model=130", "model.n_heads=4"], "model.d_model"),
+        (["optim.lr=-0.1"], "optim.lr"),
+        (["model.colour=3"], "colour"),
+        (["colour=3"], "colour"),
+        (['model.d_model="abc"'], "model.d_model"),
+        (["model.d_model=abc"], "model.d_model"),
+        (["optim.betas=[0.9]"], "optim.betas"),
+        (["server.stage=3", "model.num_stages=3"], "server.stage"),
+        (["model=3"], "model"),
+        (["model.d_model"], "model.d_model"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(None, overrides)
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="nope.toml"):
+        load_config(missing)
+
+
+def test_malformed_file_names_the_path(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(path)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_replace_revalidates():
+    cfg = replace(SwarmConfig(), model={"d_model": 64})
+    assert cfg.model.d_model == 64
+    with pytest.raises(ConfigError, match="model.d_model"):
+        replace(cfg, model={"d_model": 65})
+
+
+def test_config_hash_stable_and_sensitive_to_every_model_field():
+    base = ModelConfig()
+    assert config_hash(base) == config_hash(ModelConfig())
+    assert config_hash(base) == config_hash(load_config().model)
+    changed = {
+        "spec": "other.module:build",
+        "vocab_size": 300,
+        "d_model": 256,
+        "n_heads": 8,
+        "d_ff": 1024,
+        "n_layers": 12,
+        "seq_len": 64,
+        "num_stages": 2,
+        "share_weights": True,
+        "dropout": 0.1,
+        "init_seed": 1,
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, value in changed.items():
+        assert config_hash(dataclasses.replace(base, **{name: value})) != config_hash(base), name
+
+
+def test_describe_mismatch_lists_differing_fields():
+    mine = model_fingerprint(ModelConfig())
+    theirs = model_fingerprint(ModelConfig(d_model=256, n_layers=8))
+    message = describe_mismatch(mine, theirs)
+    assert "d_model: 128 here, 256 there" in message
+    assert "n_layers: 6 here, 8 there" in message
+    assert "n_heads" not in message
+    assert describe_mismatch(mine, mine) == "no field differs"

@@ -1,0 +1,161 @@
+"""Corpus loading, disjoint shards, and that padding never reaches the loss."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarm.config import ConfigError, DataConfig, ModelConfig
+from swarm.data import SampleShard, chunk_documents, load_documents, split_inputs_targets
+from swarm.model import PAD_ID, build_stages
+
+SEQ = 16
+
+
+def random_documents(count: int = 40, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 120))) for _ in range(count)]
+
+
+def test_default_corpus_is_python_source() -> None:
+    documents = load_documents(DataConfig(max_bytes=200_000))
+    assert documents and all(documents)
+    assert sum(map(len, documents)) == 200_000
+    text = b"".join(documents)
+    assert b"def " in text and b"import " in text
+    assert documents == load_documents(DataConfig(max_bytes=200_000))
+
+
+def test_text_file_is_one_document(tmp_path: Path) -> None:
+    path = tmp_path / "book.txt"
+    path.write_text("hello world\n" * 10)
+    assert load_documents(DataConfig(path=str(path))) == [b"hello world\n" * 10]
+    assert load_documents(DataConfig(path=str(path), max_bytes=5)) == [b"hello"]
+
+
+def test_jsonl_takes_the_text_field(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "first", "id": 1}) + "\n\n" + json.dumps({"text": "zweite ü"}) + "\n")
+    assert load_documents(DataConfig(path=str(path))) == [b"first", "zweite ü".encode()]
+
+
+def test_directory_reads_known_suffixes_in_sorted_order(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.md").write_text("bee")
+    (tmp_path / "a.txt").write_text("ay")
+    (tmp_path / "sub" / "c.jsonl").write_text(json.dumps({"text": "sea"}) + "\n")
+    (tmp_path / "sub" / "d.py").write_text("dee = 1")
+    (tmp_path / "ignored.bin").write_bytes(b"\x00\x01")
+    assert load_documents(DataConfig(path=str(tmp_path))) == [b"ay", b"bee", b"sea", b"dee = 1"]
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("missing.txt", None),
+        ("empty.txt", ""),
+        ("no_text.jsonl", json.dumps({"body": "x"}) + "\n"),
+        ("not_json.jsonl", "{oops\n"),
+        ("empty_dir", "<dir>"),
+    ],
+)
+def test_bad_paths_name_data_path(tmp_path: Path, name: str, content: str | None) -> None:
+    path = tmp_path / name
+    if content == "<dir>":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match="data.path"):
+        load_documents(DataConfig(path=str(path)))
+
+
+def test_chunks_overlap_by_one_token_and_rebuild_the_document() -> None:
+    document = bytes(range(3 * SEQ + 1))
+    chunks = chunk_documents([document], SEQ)
+    assert chunks.shape == (3, SEQ + 1) and (chunks != PAD_ID).all()
+    rebuilt = list(chunks[0]) + [t for row in chunks[1:] for t in row[1:]]
+    assert bytes(int(t) for t in rebuilt) == document
+
+
+def test_padding_only_at_document_ends() -> None:
+    documents = random_documents()
+    chunks = torch.from_numpy(chunk_documents(documents, SEQ))
+    padded_rows = 0
+    for row in chunks:
+        pad = row == PAD_ID
+        real = bytes(row[~pad].tolist())
+        assert len(real) >= 8  # mostly-padding tails are dropped
+        if pad.any():
+            padded_rows += 1
+            assert pad[pad.nonzero()[0, 0] :].all()  # padding is one suffix
+            assert any(doc.endswith(real) for doc in documents)
+        else:
+            assert any(real in doc for doc in documents)
+    assert 0 < padded_rows <= len(documents)
+
+
+def test_shards_are_disjoint_and_cover_every_chunk() -> None:
+    documents = random_documents()
+    total = len(chunk_documents(documents, SEQ))
+    shards = [SampleShard(documents, SEQ, i, 3, seed=7) for i in range(3)]
+    ids = [set(shard.chunk_ids()) for shard in shards]
+    assert sum(len(s) for s in ids) == total == sum(len(shard) for shard in shards)
+    assert set().union(*ids) == set(range(total))
+    assert max(map(len, ids)) - min(map(len, ids)) <= 1
+
+
+def test_batches_are_seeded_endless_and_well_formed() -> None:
+    documents = random_documents()
+
+    def first_batches(seed: int, count: int = 6) -> list[torch.Tensor]:
+        return list(itertools.islice(SampleShard(documents, SEQ, 1, 2, seed=seed).batches(5), count))
+
+    batches = first_batches(3)
+    assert all(torch.equal(a, b) for a, b in zip(batches, first_batches(3), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(batches, first_batches(4), strict=True))
+    for batch in batches:
+        assert batch.shape == (5, SEQ + 1) and batch.dtype == torch.long
+        assert 0 <= batch.min() and batch.max() <= PAD_ID
+
+    shard = SampleShard(documents, SEQ, 0, 2, seed=3)
+    one_pass = torch.cat(list(itertools.islice(shard.batches(1), len(shard))))
+    table = torch.from_numpy(chunk_documents(documents, SEQ)).long()
+    assert sorted(map(tuple, one_pass.tolist())) == sorted(map(tuple, table[shard.chunk_ids()].tolist()))
+
+
+def test_too_small_corpus_for_shards_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="too few"):
+        SampleShard([b"just twenty bytes..."], SEQ, 3, 4, seed=0)
+
+
+def test_split_inputs_targets_shifts_by_one() -> None:
+    batch = torch.arange(2 * (SEQ + 1)).view(2, SEQ + 1)
+    inputs, targets = split_inputs_targets(batch)
+    assert inputs.shape == targets.shape == (2, SEQ)
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_loss_ignores_padding_targets() -> None:
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, n_layers=2, seq_len=SEQ, num_stages=1)
+    (stage,) = build_stages(cfg)
+    inputs = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    inputs[1, -5:] = PAD_ID  # padded inputs are embedded like any token
+    targets = torch.full((2, SEQ), PAD_ID)
+    kept = [(0, 3), (0, 9), (1, 2)]
+    for row, col in kept:
+        targets[row, col] = 65 + col
+
+    captured: list[torch.Tensor] = []
+    stage.head.register_forward_hook(lambda _module, _args, out: captured.append(out.detach()))
+    loss = stage(inputs, targets)
+
+    logits = captured[0]
+    rows, cols = zip(*kept, strict=True)
+    expected = F.cross_entropy(logits[list(rows), list(cols)], targets[list(rows), list(cols)])
+    torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=1e-6)

@@ -1,0 +1,181 @@
+"""The stage contract the runtime relies on, and that a stage-by-stage pipeline equals one model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.config import ConfigError, ModelConfig
+from swarm.model import PAD_ID, ComposedModel, build_stage, build_stages, load_stages
+
+TINY = {"d_model": 32, "n_heads": 2, "d_ff": 64, "seq_len": 16, "vocab_size": 257}
+
+
+def tiny_cfg(**overrides: object) -> ModelConfig:
+    return ModelConfig(**{**TINY, "n_layers": 4, "num_stages": 2, **overrides})
+
+
+def sample(batch: int = 3, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (batch, seq + 1), generator=gen)
+    tokens[0, -4:] = PAD_ID  # a padded sample tail, as the data shards produce
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def pipelined_loss(
+    stages: list[torch.nn.Module], inputs: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """What the distributed runtime does: every stage starts from a leaf input, and backward hands each
+    stage's input gradient to the previous stage as its grad_output."""
+    if len(stages) == 1:
+        loss = stages[0](inputs, targets)
+        loss.backward()
+        return loss
+    outputs: list[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
+    hidden = inputs
+    for stage in stages[:-1]:
+        outputs.append(stage(hidden))
+        hidden = outputs[-1].detach().requires_grad_()
+        leaves.append(hidden)
+    loss = stages[-1](hidden, targets)
+    loss.backward()
+    for output, leaf in reversed(list(zip(outputs, leaves, strict=True))):
+        output.backward(leaf.grad)
+    return loss
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("share_weights", [False, True])
+@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+def test_pipelined_stages_match_one_graph(num_stages: int, share_weights: bool) -> None:
+    stages = load_stages(tiny_cfg(n_layers=5, num_stages=num_stages, share_weights=share_weights))
+    model = ComposedModel(stages)
+    inputs, targets = sample()
+
+    reference = model(inputs, targets)
+    reference.backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    loss = pipelined_loss(stages, inputs, targets)
+    assert loss.item() == reference.item()
+    actual = grads(model)
+    assert expected.keys() == actual.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_stage_contract() -> None:
+    cfg = tiny_cfg(n_layers=5, num_stages=3)
+    first, middle, last = build_stages(cfg)
+    assert [(s.index, s.is_first, s.is_last) for s in (first, middle, last)] == [
+        (0, True, False),
+        (1, False, False),
+        (2, False, True),
+    ]
+    assert [s.n_layers for s in (first, middle, last)] == [2, 2, 1]  # earlier stages take the extra layer
+    inputs, targets = sample(batch=2)
+    hidden = first(inputs)
+    assert hidden.shape == (2, 16, 32) and hidden.dtype == torch.float32
+    assert middle(hidden).shape == (2, 16, 32)
+    loss = last(middle(hidden), targets)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    with pytest.raises(ValueError, match="targets"):
+        last(hidden)
+
+
+def test_single_stage_takes_ids_and_targets() -> None:
+    (stage,) = build_stages(tiny_cfg(num_stages=1))
+    assert stage.is_first and stage.is_last and stage.index == 0
+    inputs, targets = sample()
+    assert stage(inputs, targets).dim() == 0
+
+
+def test_shared_weights_keep_one_block_per_stage() -> None:
+    shared = build_stages(tiny_cfg(num_stages=2, share_weights=True))
+    separate = build_stages(tiny_cfg(num_stages=2))
+    assert [len(s.blocks) for s in shared] == [1, 1]
+    assert [len(s.blocks) for s in separate] == [2, 2]
+    assert sum(p.numel() for p in shared[1].parameters()) < sum(p.numel() for p in separate[1].parameters())
+
+
+def test_build_stage_is_deterministic_whatever_the_global_rng() -> None:
+    cfg = tiny_cfg(num_stages=3, n_layers=3)
+    torch.manual_seed(1)
+    a = build_stage(cfg, 1)
+    torch.manual_seed(2)
+    b = build_stage(cfg, 1)
+    whole = build_stages(cfg)[1]
+    for (name, pa), pb, pw in zip(a.named_parameters(), b.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(pa, pb) and torch.equal(pa, pw), name
+    other_seed = build_stage(tiny_cfg(num_stages=3, n_layers=3, init_seed=1), 1)
+    assert not torch.equal(a.blocks[0].attn.qkv.weight, other_seed.blocks[0].attn.qkv.weight)
+    assert not torch.equal(a.blocks[0].attn.qkv.weight, build_stage(cfg, 2).blocks[0].attn.qkv.weight)
+
+
+def test_residual_projections_are_scaled_down() -> None:
+    (stage,) = build_stages(tiny_cfg(num_stages=1, n_layers=8))
+    block = stage.blocks[0]
+    assert block.attn.proj.weight.std() < 0.5 * block.attn.qkv.weight.std()
+    assert block.mlp.proj.weight.std() < 0.5 * block.mlp.fc.weight.std()
+
+
+def test_build_stage_rejects_out_of_range_index() -> None:
+    with pytest.raises(ConfigError, match="server.stage"):
+        build_stage(tiny_cfg(num_stages=2), 2)
+
+
+@pytest.fixture
+def example_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ":build_stages",  # no module
+        "swarm.model.gpt:",  # no function
+        "swarm.model.gpt:build:stages",  # two colons
+        "no_such_module_for_swarm:build",
+        "swarm.model.gpt:no_such_function",
+        "spec_example:NOT_CALLABLE",
+        "spec_example:not_a_list",
+        "spec_example:too_few",
+        "spec_example:not_modules",
+        "spec_example:wrong_roles",
+    ],
+)
+@pytest.mark.usefixtures("example_specs")
+def test_bad_spec_raises_config_error_naming_model_spec(spec: str) -> None:
+    with pytest.raises(ConfigError, match="model.spec"):
+        load_stages(tiny_cfg(spec=spec, num_stages=3))
+
+
+@pytest.mark.usefixtures("example_specs")
+def test_user_spec_end_to_end() -> None:
+    cfg = tiny_cfg(spec="spec_example:tiny_spec", num_stages=3)
+    stages = load_stages(cfg)
+    assert [(s.index, s.is_first, s.is_last) for s in stages] == [
+        (0, True, False),
+        (1, False, False),
+        (2, False, True),
+    ]
+    inputs, targets = sample()
+    model = ComposedModel(stages)
+    reference = model(inputs, targets)
+    reference.backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    assert pipelined_loss(stages, inputs, targets).item() == reference.item()
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-6, msg=name)
+    hosted = build_stage(cfg, 2)
+    assert hosted.is_last and all(
+        torch.equal(a, b) for a, b in zip(hosted.parameters(), stages[2].parameters(), strict=True)
+    )
