@@ -9,8 +9,8 @@ tensor), so all replicas end with the same bits, and so the same weights after t
 Agreement on the group: every member derives the group from its own view of the stage (the servers
 at its epoch) and sends it with each contribution; an owner refuses a contribution whose group or
 epoch differs from its own. The round then fails everywhere and is retried with fresher views.
-A contribution arriving before its owner began the round wakes the owner up (via `on_wake`), so the
-stage steps together instead of waiting for every member to notice the DHT.
+A contribution arriving before its owner began the round wakes the owner up (via `on_wake`, with the
+proposed group), so the stage steps together instead of waiting for every member to notice the DHT.
 
 A member applies the step only if it received every part. If an owner dies after answering some
 members, those members step and the rest fall one epoch behind, which the server detects and repairs
@@ -67,7 +67,7 @@ class StageAllReduce:
         own_id: str,
         stage: int,
         timeout: float,
-        on_wake: Callable[[int], bool],
+        on_wake: Callable[[int, tuple[str, ...]], bool],
     ):
         self.client = client
         self.own_id = own_id
@@ -76,6 +76,7 @@ class StageAllReduce:
         self.on_wake = on_wake
         self._rounds: dict[int, _Round] = {}  # keyed by epoch: at most one round per epoch is open
         self._started: dict[int, asyncio.Event] = {}
+        self._finished: dict[int, _Round] = {}  # recent completed rounds, for members whose reply was lost
 
     def _started_event(self, epoch: int) -> asyncio.Event:
         return self._started.setdefault(epoch, asyncio.Event())
@@ -99,8 +100,12 @@ class StageAllReduce:
         except (TimeoutError, CallFailed, BadRequest) as e:
             raise RoundFailed(f"epoch {epoch} with {len(group)} peers: {e}") from e
         finally:
-            self._rounds.pop(epoch, None)
+            rnd = self._rounds.pop(epoch, None)
             self._started.pop(epoch, None)
+            if rnd is not None and rnd.result is not None:
+                self._finished[epoch] = rnd
+                for old in [e for e in self._finished if e < epoch - 2]:
+                    del self._finished[old]
         totals = {total for _, total in results}
         if len(totals) != 1:
             raise RoundFailed(f"owners disagree on the sample count: {sorted(totals)}")
@@ -113,7 +118,16 @@ class StageAllReduce:
         if owner == self.own_id:
             reply, tensors = await self.contribute(meta, [part], self.own_id)
         else:
-            reply, tensors = await self.client.call(owner, "reduce", meta, [part], self.timeout)
+            # contributing is idempotent, so a call whose reply was lost is simply made again
+            while True:
+                try:
+                    reply, tensors = await self.client.call(owner, "reduce", meta, [part], self.timeout)
+                    break
+                except CallFailed as e:
+                    if e.refused:
+                        raise
+                    log.info("reduce call to %s failed (%s); calling again", short(owner), e)
+                    await asyncio.sleep(0.1)
         if len(tensors) != 1:
             raise RoundFailed(f"owner {short(owner)} sent {len(tensors)} tensors")
         return tensors[0], int(reply["samples"])
@@ -128,8 +142,11 @@ class StageAllReduce:
             raise BadRequest(f"malformed reduce request: {e}") from e
         if sender not in group or len(tensors) != 1:
             raise BadRequest("reduce request from outside its own group")
+        done = self._finished.get(epoch)
+        if done is not None and done.group == group and sender in done.contributions and done.result is not None:
+            return {"samples": done.result[1]}, [done.result[0]]
         if epoch not in self._rounds:
-            if not self.on_wake(epoch):
+            if not self.on_wake(epoch, group):
                 raise BadRequest(f"this replica is not at epoch {epoch}")
             try:
                 await asyncio.wait_for(self._started_event(epoch).wait(), self.timeout)

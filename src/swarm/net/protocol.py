@@ -7,6 +7,7 @@ arrive and refuses a payload over its limit before it is fully buffered.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -50,8 +51,8 @@ async def decode(stream: AsyncIterator[Message], max_bytes: int) -> tuple[dict[s
     tensors: list[torch.Tensor] = []
     current: list[runtime_pb2.Tensor] = []
     total = 0
-    try:
-        async for msg in stream:
+    async for msg in stream:  # an error of the stream itself (peer or connection failed) propagates as is
+        with _garbage_is_bad_request():
             if meta is None:
                 meta = msgpack.unpackb(msg.metadata) if msg.metadata else {}
             for part in msg.tensors:
@@ -62,12 +63,22 @@ async def decode(stream: AsyncIterator[Message], max_bytes: int) -> tuple[dict[s
                     tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
                     current = []
                 current.append(part)
+    with _garbage_is_bad_request():
         if current:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+    if meta is None:
+        raise BadRequest("empty stream: the other side closed it before sending anything")
+    if not isinstance(meta, dict):
+        raise BadRequest("malformed metadata")
+    return meta, tensors
+
+
+@contextlib.contextmanager
+def _garbage_is_bad_request() -> Iterator[None]:
+    """Protobuf, msgpack, numpy and torch errors while parsing all mean one thing: garbage arrived."""
+    try:
+        yield
     except BadRequest:
         raise
-    except Exception as e:  # protobuf, msgpack and numpy errors all mean the same: garbage arrived
+    except Exception as e:
         raise BadRequest(f"malformed payload: {type(e).__name__}: {e}") from e
-    if not isinstance(meta, dict):
-        raise BadRequest("missing or malformed metadata")
-    return meta, tensors

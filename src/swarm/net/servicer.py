@@ -1,13 +1,15 @@
 """The stage server's RPC surface: each `rpc_*` method is one call of the protocol.
 
-Handlers are thin: decode, hand to the server's `StageHandler`, encode. Errors the caller caused
-(`BadRequest`) travel back as the call's error text; hivemind turns a raised exception into a
-`P2PHandlerError` on the caller's side carrying that text.
+Handlers are thin: decode, hand to the server's `StageHandler`, encode. A failure becomes an error
+reply (`{"error": ..., "refused": ...}` in the metadata) rather than an exception crossing hivemind:
+the caller learns whether the server refused the request itself (`BadRequest`: retrying elsewhere
+will not help) or failed to serve it (retry elsewhere), and the server keeps serving.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035  hivemind recognises streams only by typing's alias
 
 import torch
@@ -15,18 +17,26 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.net.protocol import decode, encode
+from swarm.wire.validate import BadRequest
+
+log = logging.getLogger(__name__)
 
 Reply = tuple[dict[str, Any], Sequence[torch.Tensor]]
+Handler = Callable[[dict[str, Any], list[torch.Tensor], str], Awaitable[Reply]]
+Requests = AsyncIterator[runtime_pb2.ExpertRequest]
+Responses = AsyncIterator[runtime_pb2.ExpertResponse]
 
 
 class StageHandler(Protocol):
     max_request_bytes: int
 
+    def refused(self, method: str, caller: str, error: BadRequest) -> None: ...
+
     async def forward(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
     async def backward(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
-    async def state(self, meta: dict[str, Any], caller: str) -> Reply: ...
+    async def state(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
     async def reduce(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
@@ -35,34 +45,32 @@ class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler):
         self.handler = handler
 
-    async def rpc_forward(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        meta, tensors = await decode(requests, self.handler.max_request_bytes)
-        reply = await self.handler.forward(meta, tensors, context.remote_id.to_base58())
+    async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
+        caller = context.remote_id.to_base58()
+        try:
+            meta, tensors = await decode(requests, self.handler.max_request_bytes)
+            reply: Reply = await handler(meta, tensors, caller)
+        except BadRequest as e:
+            self.handler.refused(handler.__name__, caller, e)
+            reply = {"error": str(e), "refused": True}, []
+        except Exception as e:
+            log.exception("handler %s failed", getattr(handler, "__name__", handler))
+            reply = {"error": f"{type(e).__name__}: {e}", "refused": False}, []
         for msg in encode(runtime_pb2.ExpertResponse, *reply):
             yield msg
 
-    async def rpc_backward(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        meta, tensors = await decode(requests, self.handler.max_request_bytes)
-        reply = await self.handler.backward(meta, tensors, context.remote_id.to_base58())
-        for msg in encode(runtime_pb2.ExpertResponse, *reply):
+    async def rpc_forward(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.forward, requests, context):
             yield msg
 
-    async def rpc_reduce(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        meta, tensors = await decode(requests, self.handler.max_request_bytes)
-        reply = await self.handler.reduce(meta, tensors, context.remote_id.to_base58())
-        for msg in encode(runtime_pb2.ExpertResponse, *reply):
+    async def rpc_backward(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.backward, requests, context):
             yield msg
 
-    async def rpc_state(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        meta, _ = await decode(requests, 1 << 16)
-        reply = await self.handler.state(meta, context.remote_id.to_base58())
-        for msg in encode(runtime_pb2.ExpertResponse, *reply):
+    async def rpc_reduce(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.reduce, requests, context):
+            yield msg
+
+    async def rpc_state(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.state, requests, context):
             yield msg

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from swarm.net.protocol import decode, encode
@@ -51,16 +50,17 @@ class StageClient:
             return await decode(stream, REPLY_LIMIT_BYTES)
 
         try:
-            return await asyncio.wait_for(exchange(), timeout)
+            reply, tensors = await asyncio.wait_for(exchange(), timeout)
         except TimeoutError as e:
             raise CallFailed(f"{method} timed out after {timeout:.1f}s") from e
-        except P2PHandlerError as e:
-            text = str(e)
-            raise CallFailed(text, refused="refused:" in text) from e
         except asyncio.CancelledError:
             raise
         except Exception as e:
             raise CallFailed(f"{method} failed: {type(e).__name__}: {e}") from e
+        if "error" in reply:
+            raise CallFailed(str(reply["error"]), refused=bool(reply.get("refused")))
+        return reply, tensors
+
 
 
 async def _aiter(items):

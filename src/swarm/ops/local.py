@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,6 +91,14 @@ class LocalSwarm:
         return peer
 
     def start(self) -> None:
+        self.start_bootstrap()
+        for stage in range(self.cfg.model.num_stages):
+            for _ in range(self.cfg.local.servers_per_stage):
+                self.add_server(stage)
+        for index in range(self.cfg.local.trainers):
+            self.add_trainer(index)
+
+    def start_bootstrap(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         addr_file = self.run_dir / "bootstrap.addr"
@@ -97,20 +106,14 @@ class LocalSwarm:
         bootstrap = self._spawn("dht", "bootstrap", [], None, extra=(f"--addr-file={addr_file}",))
         self._wait(lambda: addr_file.exists() and addr_file.read_text().strip(), 60, "the bootstrap peer", bootstrap)
         self.initial_peers = tuple(addr_file.read_text().split())
-        for stage in range(self.cfg.model.num_stages):
-            for _ in range(self.cfg.local.servers_per_stage):
-                self.add_server(stage)
-        for index in range(self.cfg.local.trainers):
-            self.add_trainer(index)
 
     def _peers_override(self) -> str:
         return "net.initial_peers=[" + ",".join(f'"{a}"' for a in self.initial_peers) + "]"
 
-    def add_server(self, stage: int) -> Peer:
+    def add_server(self, stage: int, overrides: tuple[str, ...] = ()) -> Peer:
         self._counter += 1
-        return self._spawn(
-            "server", f"server-s{stage}-{self._counter}", [self._peers_override(), f"server.stage={stage}"], stage
-        )
+        args = [self._peers_override(), f"server.stage={stage}", *overrides]
+        return self._spawn("server", f"server-s{stage}-{self._counter}", args, stage)
 
     def add_trainer(self, index: int) -> Peer:
         overrides = [
@@ -147,10 +150,13 @@ class LocalSwarm:
         status.loss = sum(losses) / len(losses) if losses else float("nan")
         return status
 
-    def wait_until_done(self, progress: bool = True) -> SwarmStatus:
-        return asyncio.run(self._watch(progress))
+    def wait_until_done(
+        self, progress: bool = True, on_status: Callable[[SwarmStatus], None] | None = None
+    ) -> SwarmStatus:
+        """Block until the run is over; `on_status` sees every poll (tests inject faults from it)."""
+        return asyncio.run(self._watch(progress, on_status))
 
-    async def _watch(self, progress: bool) -> SwarmStatus:
+    async def _watch(self, progress: bool, on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
         """Follow the run until every trainer finished and every stage flushed its last samples."""
         dht = start_dht(replace(self.cfg, net={"initial_peers": self.initial_peers, "port": 0}).net, client_mode=True)
         directory = Directory(dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
@@ -160,8 +166,10 @@ class LocalSwarm:
         started, status = time.monotonic(), SwarmStatus()
         try:
             while True:
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.5)
                 status = await self.status(directory)
+                if on_status is not None:
+                    on_status(status)
                 bar.update(max(0, min(status.min_epoch, target) - bar.n))
                 rate = status.trainer_samples / max(time.monotonic() - started, 1e-9)
                 bar.set_postfix_str(

@@ -66,7 +66,8 @@ class StageServer:
         self._window_samples = 0
         self._window_busy = 0.0
         self._fwd_queue: list[tuple[str, torch.Tensor, asyncio.Future]] = []
-        self._wake_epoch: int | None = None
+        self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
+        self._behind_since: dict[str, float] = {}
         self._announced_pending = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -229,35 +230,43 @@ class StageServer:
             raise BadRequest("missing request id")
         return f"{caller}/{req}"
 
-    def _refuse(self, method: str, caller: str, error: BadRequest) -> None:
+    def refused(self, method: str, caller: str, error: BadRequest) -> None:
+        """One log line per refused request; the caller got the same text back."""
         self.counters["refused"] += 1
-        log.warning("refused %s from %s: %s", method, short(caller), error)
+        log.warning("%s from %s refused: %s", method, short(caller), error.args[0])
+
+    def _check_forward(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        limit = self.cfg.server.max_batch_samples
+        if not self.runtime.is_last:
+            if len(tensors) != 1:
+                raise BadRequest(f"forward takes one tensor, got {len(tensors)}")
+            check_tensor("inputs", tensors[0], self.in_spec, limit)
+            return tensors[0], None
+        if len(tensors) != 2:
+            raise BadRequest(f"the last stage takes (inputs, targets), got {len(tensors)} tensors")
+        x, targets = tensors
+        check_tensor("inputs", x, self.in_spec, limit)
+        check_tensor("targets", targets, TensorSpec(torch.int64, x.shape[1:2], self.cfg.model.vocab_size), limit)
+        check_same_batch(("inputs", x), ("targets", targets))
+        return x, targets
+
+    def _check_backward(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out_spec is None:
+            raise BadRequest("the last stage runs its backward within forward")
+        if len(tensors) != 2:
+            raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
+        x, dy = tensors
+        check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
+        check_tensor("grad_outputs", dy, self.out_spec, self.cfg.server.max_batch_samples)
+        check_same_batch(("inputs", x), ("grad_outputs", dy))
+        return x, dy
 
     async def forward(self, meta, tensors, caller):
-        try:
-            key = self._admit(meta, caller)
-            if self.runtime.is_last:
-                if len(tensors) != 2:
-                    raise BadRequest(f"the last stage takes (inputs, targets), got {len(tensors)} tensors")
-                x, targets = tensors
-                check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
-                check_tensor(
-                    "targets", targets, TensorSpec(torch.int64, x.shape[1:2], self.cfg.model.vocab_size),
-                    self.cfg.server.max_batch_samples,
-                )
-                check_same_batch(("inputs", x), ("targets", targets))
-            else:
-                if len(tensors) != 1:
-                    raise BadRequest(f"forward takes one tensor, got {len(tensors)}")
-                x = tensors[0]
-                check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
-        except BadRequest as e:
-            self._refuse("forward", caller, e)
-            raise
-        if self.runtime.is_last:
+        key = self._admit(meta, caller)
+        x, targets = self._check_forward(tensors)
+        if targets is not None:
             loss, grad = await self._compute(self.runtime.forward_backward_last, x, targets)
-            self._window_samples += x.shape[0]
-            self._wake.set()  # the stage may have just reached its batch size
+            self._backward_done(x.shape[0])
             return {"epoch": self.runtime.epoch, "loss": loss}, [] if grad is None else [grad]
         fut = asyncio.get_running_loop().create_future()
         self._fwd_queue.append((key, x, fut))
@@ -266,35 +275,27 @@ class StageServer:
         return {"epoch": self.runtime.epoch}, [await fut]
 
     async def backward(self, meta, tensors, caller):
-        try:
-            key = self._admit(meta, caller)
-            if self.runtime.is_last or self.out_spec is None:
-                raise BadRequest("the last stage runs its backward within forward")
-            if len(tensors) != 2:
-                raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
-            x, dy = tensors
-            check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
-            check_tensor("grad_outputs", dy, self.out_spec, self.cfg.server.max_batch_samples)
-            check_same_batch(("inputs", x), ("grad_outputs", dy))
-        except BadRequest as e:
-            self._refuse("backward", caller, e)
-            raise
+        key = self._admit(meta, caller)
+        x, dy = self._check_backward(tensors)
         grad = await self._compute(self.runtime.backward, key, x, dy)
-        self._window_samples += x.shape[0]
-        self._wake.set()  # the stage may have just reached its batch size
+        self._backward_done(x.shape[0])
         return {"epoch": self.runtime.epoch}, [] if grad is None else [grad]
 
-    async def state(self, meta, caller):
-        meta, tensors = await self._compute(self.runtime.state)
-        return meta, tensors
+    def _backward_done(self, samples: int) -> None:
+        self._window_samples += samples
+        self._wake.set()  # the stage may have just reached its batch size
+
+    async def state(self, meta, tensors, caller):
+        return await self._compute(self.runtime.state)
 
     async def reduce(self, meta, tensors, caller):
         return await self.allreduce.contribute(meta, tensors, caller)
 
-    def _on_wake(self, epoch: int) -> bool:
-        if epoch != self.runtime.epoch:
+    def _on_wake(self, epoch: int, group: tuple[str, ...]) -> bool:
+        """A groupmate began the round for our epoch: join it, with the group it proposed."""
+        if epoch != self.runtime.epoch or self.peer_id not in group:
             return False
-        self._wake_epoch = epoch
+        self._proposal = (epoch, group)
         self._wake.set()
         return True
 
@@ -309,18 +310,10 @@ class StageServer:
                 pass
             self._wake.clear()
             try:
-                view = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
-                epoch = self.runtime.epoch
-                woken = self._wake_epoch == epoch
-                ahead = [r for r in view if r.epoch > epoch]
-                if ahead and not woken:
-                    await self._download_state(ahead)
+                group = await self._group_to_step_with()
+                if group is None:
                     continue
-                peers = {r.peer_id: r.pending for r in view if r.epoch == epoch}
-                if not (woken or stage_ready(self.runtime.pending_samples, peers, self.cfg.optim.target_batch_size)
-                        or await self._run_is_over(peers)):
-                    continue
-                await self._step_round(epoch, expected_group(self.peer_id, peers))
+                await self._step_round(self.runtime.epoch, group)
                 failures = 0
             except RoundFailed as e:
                 failures += 1
@@ -332,9 +325,36 @@ class StageServer:
             except Exception:
                 log.exception("step loop error")
                 await asyncio.sleep(1.0)
-            finally:
-                if self._wake_epoch is not None and self._wake_epoch < self.runtime.epoch:
-                    self._wake_epoch = None
+
+    async def _group_to_step_with(self) -> tuple[str, ...] | None:
+        """The replicas to take this epoch's step with, or None if the stage should not step yet.
+
+        A replica never steps on a partial view: a peer that looks one epoch behind is usually just
+        late to announce the step it took with us, so we wait for it, and only leave it out once it
+        has looked behind for longer than a few announcement periods (it is then catching up by
+        downloading state, and would refuse the round anyway).
+        """
+        epoch = self.runtime.epoch
+        if self._proposal is not None:
+            proposed_epoch, group = self._proposal
+            self._proposal = None
+            if proposed_epoch == epoch:
+                return group
+        view = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
+        ahead = [r for r in view if r.epoch > epoch]
+        if ahead:
+            await self._download_state(ahead)
+            return None
+        peers = {r.peer_id: r.pending for r in view if r.epoch == epoch}
+        if not (stage_ready(self.runtime.pending_samples, peers, self.cfg.optim.target_batch_size)
+                or await self._run_is_over(peers)):
+            return None
+        now, grace = time.monotonic(), 3 * self.cfg.net.announce_period + 1.0
+        behind = {r.peer_id for r in view if r.epoch < epoch}
+        self._behind_since = {p: self._behind_since.get(p, now) for p in behind}
+        if any(now - since < grace for since in self._behind_since.values()):
+            return None
+        return expected_group(self.peer_id, peers)
 
     async def _run_is_over(self, peers: dict[str, int]) -> bool:
         """All trainers finished: flush what the stage still holds, so no completed sample is left out."""
@@ -347,6 +367,7 @@ class StageServer:
         async with self._gate:
             if self.runtime.epoch != epoch:
                 return
+            self._behind_since.clear()
             samples = self.runtime.pending_samples
             flat = await self._run_timed(self.runtime.flat_grad)
             if len(group) > 1:

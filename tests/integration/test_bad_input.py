@@ -1,0 +1,114 @@
+"""Malformed requests get a clear error back, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from swarm.config import config_hash
+from swarm.net.directory import Directory
+from swarm.net.node import start_dht
+from swarm.net.transport import CallFailed, StageClient
+from swarm.ops.local import LocalSwarm
+
+from .helpers import small_config, tracebacks
+
+pytestmark = pytest.mark.integration
+
+
+async def _wait_for_stages(directory: Directory, num_stages: int, timeout: float) -> dict[int, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stages = await directory.stages(num_stages)
+        if all(stages.values()):
+            return {k: v[0].peer_id for k, v in stages.items()}
+        await asyncio.sleep(0.2)
+    raise TimeoutError("servers did not announce themselves")
+
+
+@pytest.mark.timeout(180)
+def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
+    cfg = small_config(tmp_path, "net.max_payload_mb=0.1", "server.max_batch_samples=8")
+    seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg.model)
+    swarm = LocalSwarm(cfg)
+    swarm.start_bootstrap()
+    for stage in range(cfg.model.num_stages):
+        swarm.add_server(stage)
+
+    ids = torch.randint(0, 256, (2, seq))
+    hidden = torch.randn(2, seq, d)
+    nan_hidden = hidden.clone()
+    nan_hidden[0, 0, 0] = float("nan")
+    inf_hidden = hidden.clone()
+    inf_hidden[1, 2, 3] = float("inf")
+    cases = [  # (stage, method, meta overrides, tensors, expected words in the error)
+        (0, "forward", {}, [ids.float()], "dtype"),
+        (0, "forward", {}, [torch.randint(0, 256, (2, seq + 1))], "shape"),
+        (0, "forward", {}, [torch.full((2, seq), 300)], "ids must lie"),
+        (0, "forward", {}, [torch.randint(0, 256, (9, seq))], "batch size"),
+        (0, "forward", {}, [ids, ids], "one tensor"),
+        (0, "forward", {"stage": 1}, [ids], "hosts stage 0"),
+        (0, "forward", {"config": "0123456789abcdef"}, [ids], "config hash"),
+        (0, "forward", {"req": ""}, [ids], "request id"),
+        (0, "backward", {}, [ids, torch.randn(3, seq, d)], "batch sizes differ"),
+        (1, "forward", {}, [nan_hidden, ids], "NaN or Inf"),
+        (1, "forward", {}, [inf_hidden, ids], "NaN or Inf"),
+        (1, "forward", {}, [hidden], "inputs, targets"),
+        (1, "forward", {}, [torch.randn(8, seq, d), torch.randint(0, 256, (8, seq))], "exceeds the limit"),
+        (1, "backward", {}, [hidden, hidden], "last stage"),
+    ]
+
+    async def scenario() -> list[str]:
+        peers_override = f"net.initial_peers={list(swarm.initial_peers)!r}".replace("'", '"')
+        dht = start_dht(small_config(tmp_path, peers_override).net, client_mode=True)
+        try:
+            client = StageClient(await dht.replicate_p2p())
+            peers = await _wait_for_stages(Directory(dht, cfg.net.run_id, cfg.net.record_ttl), 2, 90)
+            errors = []
+            for n, (stage, method, meta_over, tensors, expected) in enumerate(cases):
+                meta = {"req": f"bad{n}", "stage": stage, "config": good_hash, **meta_over}
+                with pytest.raises(CallFailed) as info:
+                    await client.call(peers[stage], method, meta, tensors, 30)
+                assert info.value.refused, (n, str(info.value))
+                assert expected in str(info.value), (n, str(info.value))
+                errors.append(str(info.value))
+                # the same server answers the next good request
+                good = {"req": f"good{n}", "stage": stage, "config": good_hash}
+                if stage == 0:
+                    reply, (out,) = await client.call(peers[0], "forward", good, [ids], 30)
+                    assert out.shape == (2, seq, d) and torch.isfinite(out).all()
+                else:
+                    reply, (grad,) = await client.call(peers[1], "forward", good, [hidden, ids], 30)
+                    assert reply["loss"] > 0 and grad.shape == hidden.shape
+            return errors
+        finally:
+            dht.shutdown()
+
+    try:
+        errors = asyncio.run(scenario())
+    finally:
+        swarm.stop()
+    assert len(errors) == len(cases)
+    assert not tracebacks(tmp_path)
+    logged = sum(log.read_text().count(" refused: ") for log in (tmp_path / "logs").glob("server-*.log"))
+    assert logged == len(cases)  # one line per refused request
+
+
+@pytest.mark.timeout(120)
+def test_a_server_with_another_model_config_is_refused(tmp_path):
+    cfg = small_config(tmp_path)
+    swarm = LocalSwarm(cfg)
+    swarm.start_bootstrap()
+    first = swarm.add_server(0)
+    try:
+        swarm._wait(lambda: "up on" in first.log_path.read_text(), 90, "the first server", first)
+        odd = swarm.add_server(1, ("model.d_model=32",))
+        assert odd.process.wait(timeout=90) == 3
+        text = odd.log_path.read_text()
+        assert "refused to join" in text and "d_model: 32 here, 64 there" in text
+        assert first.alive()
+    finally:
+        swarm.stop()

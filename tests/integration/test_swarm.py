@@ -1,0 +1,90 @@
+"""A real swarm of separate processes on loopback trains on real text."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from swarm.ops.local import LocalSwarm
+from swarm.ops.report import write_report
+
+from .helpers import fetch_stage_states, small_config, tracebacks
+
+pytestmark = pytest.mark.integration
+
+
+def _assert_replicas_in_step(summary: dict, run_dir) -> None:
+    """Every step left all replicas of a stage with bit-identical weights (equal parameter digests)."""
+    for path in (run_dir / "peers").glob("server-*.json"):
+        server = json.loads(path.read_text())
+        for other in (run_dir / "peers").glob(f"server-s{server['stage']}-*.json"):
+            theirs = {s["epoch"]: s["digest"] for s in json.loads(other.read_text())["steps"]}
+            for step in server["steps"]:
+                if step["epoch"] in theirs:
+                    assert step["digest"] == theirs[step["epoch"]], f"stage {server['stage']} diverged at {step}"
+
+
+def _assert_states_equal(cfg, swarm: LocalSwarm) -> None:
+    for stage in range(cfg.model.num_stages):
+        states = list(fetch_stage_states(cfg, swarm.initial_peers, stage).values())
+        assert len(states) >= 1
+        for other in states[1:]:
+            worst = max(float((a - b).abs().max()) for a, b in zip(states[0], other, strict=True))
+            assert worst <= 1e-6, f"stage {stage} replicas differ by {worst}"
+
+
+@pytest.mark.timeout(300)
+def test_swarm_trains_and_stages_stay_identical(tmp_path):
+    cfg = small_config(tmp_path)
+    swarm = LocalSwarm(cfg)
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False)
+        _assert_states_equal(cfg, swarm)
+    finally:
+        swarm.stop()
+    summary = write_report(tmp_path)
+
+    assert not tracebacks(tmp_path)
+    assert summary["microbatches_failed"] == 0
+    assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
+    for stage, info in summary["stages"].items():
+        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+        assert len(info["replicas"]) == 2
+        assert len({r["digest"] for r in info["replicas"]}) == 1
+        # every completed sample entered exactly one step of every stage
+        assert info["samples_stepped"] == summary["samples_completed"], (stage, info)
+        assert sum(r["lost_samples"] for r in info["replicas"]) == 0
+    _assert_replicas_in_step(summary, tmp_path)
+    assert (tmp_path / "loss.png").exists() and (tmp_path / "throughput.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_swarm_survives_a_server_killed_mid_run(tmp_path):
+    cfg = small_config(tmp_path, "trainer.target_steps=10")
+    swarm = LocalSwarm(cfg)
+    killed = []
+
+    def kill_once(status) -> None:
+        if not killed and status.min_epoch >= 3:
+            victim = swarm.servers(stage=1)[0]
+            victim.signal(signal.SIGKILL)  # the whole group: main process, DHT child and p2pd
+            killed.append(victim)
+
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False, on_status=kill_once)
+        _assert_states_equal(cfg, swarm)
+    finally:
+        swarm.stop()
+    summary = write_report(tmp_path)
+
+    assert killed, "the run ended before the fault could be injected"
+    assert killed[0].process.returncode == -signal.SIGKILL
+    assert not tracebacks(tmp_path)
+    for stage, info in summary["stages"].items():
+        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+    assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
+    _assert_replicas_in_step(summary, tmp_path)
