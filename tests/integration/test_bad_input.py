@@ -31,7 +31,7 @@ async def _wait_for_stages(directory: Directory, num_stages: int, timeout: float
 
 @pytest.mark.timeout(180)
 def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
-    cfg = small_config(tmp_path, "net.max_payload_mb=0.1", "server.max_batch_samples=8")
+    cfg = small_config(tmp_path, "net.max_payload_mb=0.1", "server.max_request_samples=8")
     seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg.model)
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()

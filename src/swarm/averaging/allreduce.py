@@ -89,26 +89,30 @@ class StageAllReduce:
             raise ValueError("a member must belong to its own group")
         bounds = part_bounds(flat_grad.numel(), len(group))
         own_part = bounds[group.index(self.own_id)]
-        self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0])
+        self._finished.pop(epoch, None)  # a new attempt: an earlier failed one's answers are void
+        rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0])
         self._started_event(epoch).set()
+        tasks = [
+            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples))
+            for owner, (lo, hi) in zip(group, bounds, strict=True)
+        ]
         try:
-            calls = [
-                self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples)
-                for owner, (lo, hi) in zip(group, bounds, strict=True)
-            ]
-            results = await asyncio.wait_for(asyncio.gather(*calls), self.timeout)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), self.timeout)
         except (TimeoutError, CallFailed, BadRequest) as e:
             raise RoundFailed(f"epoch {epoch} with {len(group)} peers: {e}") from e
         finally:
-            rnd = self._rounds.pop(epoch, None)
+            for task in tasks:
+                task.cancel()
+            self._rounds.pop(epoch, None)
             self._started.pop(epoch, None)
-            if rnd is not None and rnd.result is not None:
-                self._finished[epoch] = rnd
-                for old in [e for e in self._finished if e < epoch - 2]:
-                    del self._finished[old]
+            if rnd.result is None:
+                rnd.complete.set()  # release members still waiting on this round: it is abandoned
         totals = {total for _, total in results}
         if len(totals) != 1:
             raise RoundFailed(f"owners disagree on the sample count: {sorted(totals)}")
+        self._finished[epoch] = rnd
+        for old in [e for e in self._finished if e < epoch - 2]:
+            del self._finished[old]
         return torch.cat([part for part, _ in results]), totals.pop()
 
     async def _exchange(
@@ -140,6 +144,8 @@ class StageAllReduce:
             epoch, group, samples = int(meta["epoch"]), tuple(meta["group"]), int(meta["samples"])
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"malformed reduce request: {e}") from e
+        if not all(isinstance(p, str) for p in group) or samples < 0:
+            raise BadRequest("malformed reduce request: group must list peer ids and samples be >= 0")
         if sender not in group or len(tensors) != 1:
             raise BadRequest("reduce request from outside its own group")
         done = self._finished.get(epoch)
@@ -148,11 +154,14 @@ class StageAllReduce:
         if epoch not in self._rounds:
             if not self.on_wake(epoch, group):
                 raise BadRequest(f"this replica is not at epoch {epoch}")
+            started = self._started_event(epoch)
             try:
-                await asyncio.wait_for(self._started_event(epoch).wait(), self.timeout)
+                await asyncio.wait_for(started.wait(), self.timeout)
             except TimeoutError as e:
-                self._started.pop(epoch, None)
                 raise BadRequest(f"no round for epoch {epoch} began here") from e
+            finally:
+                if not started.is_set():
+                    self._started.pop(epoch, None)
         rnd = self._rounds.get(epoch)
         if rnd is None or rnd.group != group:
             theirs = ",".join(map(short, group))
@@ -161,8 +170,9 @@ class StageAllReduce:
         part = tensors[0]
         if part.numel() != rnd.size or part.dtype != torch.float32:
             raise BadRequest(f"part has {part.numel()} {part.dtype} values, expected {rnd.size} float32")
-        rnd.contributions[sender] = (part, samples)
-        if len(rnd.contributions) == len(rnd.group):
+        if rnd.result is None:  # once reduced, a round's answer never changes
+            rnd.contributions[sender] = (part, samples)
+        if rnd.result is None and len(rnd.contributions) == len(rnd.group):
             total_samples = sum(n for _, n in rnd.contributions.values())
             summed = torch.zeros(rnd.size, dtype=torch.float32)
             for member in rnd.group:  # fixed order: the same bits whoever computes it
@@ -170,6 +180,7 @@ class StageAllReduce:
             rnd.result = (summed / max(total_samples, 1), total_samples)
             rnd.complete.set()
         await rnd.complete.wait()
-        assert rnd.result is not None
+        if rnd.result is None:
+            raise BadRequest(f"the round for epoch {epoch} was abandoned")
         mean, total = rnd.result
         return {"samples": total}, [mean]

@@ -124,8 +124,13 @@ class ServerConfig:
     device: str = "cpu"  # cpu, cuda, cuda:N
     autocast: str = "none"  # none, bf16, fp16
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    max_batch_samples: int = 64  # concurrent requests are merged up to this many samples
+    max_request_samples: int = 64  # larger requests are refused
+    # Forward requests that queue up are merged into one batch of up to this many samples (0: never).
+    # Merging pays on a GPU; on a CPU it does not, and a merged batch's graph must wait for every
+    # member's gradient, so the default is off.
+    merge_samples: int = 0
     graph_ttl: float = 120.0  # seconds a kept forward graph waits for its backward
+    batch_backward_wait: float = 1.0  # seconds a batched forward's graph waits for all its requests' gradients
 
     def __post_init__(self) -> None:
         _require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
@@ -136,7 +141,9 @@ class ServerConfig:
         )
         _require(self.autocast in ("none", "bf16", "fp16"), "server.autocast", "must be none, bf16 or fp16")
         _require(self.threads >= 0, "server.threads", "must be >= 0")
-        _require(self.max_batch_samples > 0, "server.max_batch_samples", "must be positive")
+        _require(self.max_request_samples > 0, "server.max_request_samples", "must be positive")
+        _require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")
+        _require(self.batch_backward_wait >= 0, "server.batch_backward_wait", "must be >= 0")
 
 
 @dataclass(frozen=True)

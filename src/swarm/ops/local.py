@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,6 +100,8 @@ class LocalSwarm:
             self.add_trainer(index)
 
     def start_bootstrap(self) -> None:
+        for stale in ("peers", "logs"):  # a run directory reused by a new run must not mix in the old one
+            shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         addr_file = self.run_dir / "bootstrap.addr"

@@ -23,7 +23,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         st = stages.setdefault(s["stage"], {"replicas": [], "samples_stepped": 0, "steps": 0})
         st["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
-                               "throughput", "refused", "failed_rounds", "catch_ups", "lost_samples")}
+                               "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
+                               "catch_ups", "lost_samples")}
         )
         if s["steps"] and (s["epoch"] >= st["steps"]):
             # every replica logs the whole stage's sample count per step; take the most complete log
@@ -42,6 +43,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     return {
         "samples_completed": samples,
         "microbatches_failed": sum(t["failed"] for t in trainers),
+        "trainer_call_seconds": _sum_dicts(t["call_seconds"] for t in trainers),
         "retries": sum(t["retries"] for t in trainers),
         "wall_seconds": (end - start) if start and end else None,
         "samples_per_second": samples / (end - start) if start and end and end > start else None,
@@ -51,6 +53,14 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "_completed": completed,
         "_start": start,
     }
+
+
+def _sum_dicts(dicts) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0.0) + v
+    return dict(sorted(total.items()))
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,10 @@ from swarm.ops.report import write_report
 log = logging.getLogger("swarm.local")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
     m, loc = cfg.model, cfg.local
     log.info(
@@ -21,6 +26,8 @@ def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
         cfg.run_dir,
     )
     swarm = LocalSwarm(cfg)
+    # a terminated launcher must not leave its peers behind: they run in sessions of their own
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         swarm.start()
         swarm.wait_until_done(progress=progress)

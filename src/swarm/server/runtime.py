@@ -10,7 +10,9 @@ however unevenly trainers spread their microbatches over the replicas.
 Forward graphs are kept so that the backward usually costs one backward pass (the fast path). A kept
 graph is only valid for the epoch it was built in: the optimizer step changes the weights in place,
 so after a step (or when the graph was evicted, or the backward arrives at another replica) the
-backward recomputes the forward from the inputs the trainer sends along.
+backward recomputes the forward from the inputs the trainer sends along. A graph built for a batch
+of several requests is back-propagated once for all of them (`backward_batch`): running it once per
+request would cost a full batch backward each time.
 """
 
 from __future__ import annotations
@@ -27,19 +29,19 @@ from swarm.config import OptimConfig
 from swarm.core.schedule import warmup_lr
 
 
-@dataclass
-class _BatchGraph:
+@dataclass(eq=False)
+class BatchGraph:
+    """The autograd graph of one forward batch, awaiting its requests' output gradients."""
+
     inputs: torch.Tensor
     outputs: torch.Tensor
     epoch: int
     created: float
-    remaining: int  # requests of this batch whose backward has not run yet
+    rows: dict[str, slice]  # request id -> its rows in the batch
 
-
-@dataclass
-class _Kept:
-    graph: _BatchGraph
-    rows: slice
+    @property
+    def size(self) -> int:
+        return len(self.rows)
 
 
 @dataclass
@@ -75,7 +77,7 @@ class StageRuntime:
         self.graph_ttl = graph_ttl
         self.epoch = 0
         self.pending_samples = 0  # accumulated since the last step
-        self.graphs: dict[str, _Kept] = {}
+        self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
         self.recomputed_backwards = 0
 
@@ -96,11 +98,11 @@ class StageRuntime:
         inputs = self._leaf(torch.cat([x for _, x in requests]))
         with self._autocast():
             outputs = self.module(inputs)
-        graph = _BatchGraph(inputs, outputs, self.epoch, time.monotonic(), len(requests))
+        graph = BatchGraph(inputs, outputs, self.epoch, time.monotonic(), {})
         results, start = [], 0
         for req_id, x in requests:
-            rows = slice(start, start + x.shape[0])
-            self.graphs[req_id] = _Kept(graph, rows)
+            graph.rows[req_id] = rows = slice(start, start + x.shape[0])
+            self.graphs[req_id] = graph
             results.append(outputs[rows].detach().float().cpu())
             start = rows.stop
         return results
@@ -115,32 +117,50 @@ class StageRuntime:
         grad = None if self.is_first else inputs.grad.cpu()
         return float(loss.detach()), grad
 
+    def live_graph(self, req_id: str) -> BatchGraph | None:
+        """The kept graph of a request's forward, if it is still valid for the current weights."""
+        graph = self.graphs.get(req_id)
+        return graph if graph is not None and graph.epoch == self.epoch else None
+
     def backward(self, req_id: str, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
-        kept = self.graphs.pop(req_id, None)
-        if kept is not None and kept.graph.epoch == self.epoch:
-            graph = kept.graph
-            graph.remaining -= 1
-            torch.autograd.backward(
-                graph.outputs[kept.rows], grad_out.to(self.device), retain_graph=graph.remaining > 0
-            )
-            grad = None if self.is_first else graph.inputs.grad[kept.rows].cpu()
-            self.fast_backwards += 1
-        else:
-            inputs = self._leaf(x)
-            with self._autocast():
-                outputs = self.module(inputs)
-            outputs.backward(grad_out.to(self.device))
-            grad = None if self.is_first else inputs.grad.cpu()
-            self.recomputed_backwards += 1
+        """Backward of one request: from its kept graph if it was forwarded alone, else recomputed."""
+        graph = self.live_graph(req_id)
+        if graph is not None and graph.size == 1:
+            return self.backward_batch(graph, {req_id: grad_out})[req_id]
+        self.graphs.pop(req_id, None)
+        inputs = self._leaf(x)
+        with self._autocast():
+            outputs = self.module(inputs)
+        outputs.backward(grad_out.to(self.device))
+        self.recomputed_backwards += 1
         self.pending_samples += x.shape[0]
-        return grad
+        return None if self.is_first else inputs.grad.cpu()
+
+    def backward_batch(
+        self, graph: BatchGraph, grads: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | None]:
+        """One backward pass through a batch graph for the requests in `grads` (others count as zero).
+
+        The graph is consumed: requests of it whose gradient comes later are recomputed.
+        """
+        if graph.epoch != self.epoch:
+            raise ValueError("the graph was built with weights this replica no longer holds")
+        for req_id in graph.rows:
+            self.graphs.pop(req_id, None)
+        full = torch.zeros_like(graph.outputs, dtype=torch.float32)
+        for req_id, dy in grads.items():
+            full[graph.rows[req_id]] = dy.to(self.device)
+        graph.outputs.backward(full.to(graph.outputs.dtype))
+        self.fast_backwards += len(grads)
+        self.pending_samples += sum(graph.rows[r].stop - graph.rows[r].start for r in grads)
+        if self.is_first:
+            return dict.fromkeys(grads)
+        return {r: graph.inputs.grad[graph.rows[r]].cpu() for r in grads}
 
     def evict_stale_graphs(self) -> None:
         """Drop graphs whose backward never came (the trainer died) or that a step made invalid."""
         now = time.monotonic()
-        stale = [
-            r for r, k in self.graphs.items() if k.graph.epoch != self.epoch or now - k.graph.created > self.graph_ttl
-        ]
+        stale = [r for r, g in self.graphs.items() if g.epoch != self.epoch or now - g.created > self.graph_ttl]
         for r in stale:
             del self.graphs[r]
 

@@ -29,11 +29,12 @@ from swarm.net.directory import Directory, short
 from swarm.net.node import start_dht, visible_addresses
 from swarm.net.servicer import StageServicer
 from swarm.net.transport import CallFailed, StageClient
-from swarm.server.runtime import StageRuntime, StepRecord
+from swarm.server.runtime import BatchGraph, StageRuntime, StepRecord
 from swarm.wire.records import ServerRecord
 from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_tensor
 
 log = logging.getLogger("swarm.server")
+_RECOMPUTE = object()  # marks a backward whose kept graph could not be used
 
 
 def probe_specs(cfg: SwarmConfig) -> tuple[TensorSpec, TensorSpec | None]:
@@ -65,7 +66,10 @@ class StageServer:
         self._queued = 0
         self._window_samples = 0
         self._window_busy = 0.0
+        self.busy_seconds = 0.0  # compute-thread time over the server's life
+        self.started = time.time()
         self._fwd_queue: list[tuple[str, torch.Tensor, asyncio.Future]] = []
+        self._batch_waits: dict[BatchGraph, dict[str, tuple[torch.Tensor, asyncio.Future]]] = {}
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
         self._announced_pending = 0
@@ -189,11 +193,13 @@ class StageServer:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         finally:
-            self._window_busy += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self._window_busy += elapsed
+            self.busy_seconds += elapsed
 
     async def _batch_loop(self) -> None:
         """Merge forward requests that queued up while the compute thread was busy into one batch."""
-        limit = self.cfg.server.max_batch_samples
+        limit = self.cfg.server.merge_samples
         while True:
             await self._fwd_ready.wait()
             async with self._gate:
@@ -236,7 +242,7 @@ class StageServer:
         log.warning("%s from %s refused: %s", method, short(caller), error.args[0])
 
     def _check_forward(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        limit = self.cfg.server.max_batch_samples
+        limit = self.cfg.server.max_request_samples
         if not self.runtime.is_last:
             if len(tensors) != 1:
                 raise BadRequest(f"forward takes one tensor, got {len(tensors)}")
@@ -256,8 +262,8 @@ class StageServer:
         if len(tensors) != 2:
             raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
         x, dy = tensors
-        check_tensor("inputs", x, self.in_spec, self.cfg.server.max_batch_samples)
-        check_tensor("grad_outputs", dy, self.out_spec, self.cfg.server.max_batch_samples)
+        check_tensor("inputs", x, self.in_spec, self.cfg.server.max_request_samples)
+        check_tensor("grad_outputs", dy, self.out_spec, self.cfg.server.max_request_samples)
         check_same_batch(("inputs", x), ("grad_outputs", dy))
         return x, dy
 
@@ -277,9 +283,49 @@ class StageServer:
     async def backward(self, meta, tensors, caller):
         key = self._admit(meta, caller)
         x, dy = self._check_backward(tensors)
-        grad = await self._compute(self.runtime.backward, key, x, dy)
+        graph = self.runtime.live_graph(key)
+        grad = _RECOMPUTE
+        if graph is not None and graph.size > 1:
+            grad = await self._batched_backward(graph, key, dy)
+        if grad is _RECOMPUTE:
+            grad = await self._compute(self.runtime.backward, key, x, dy)
         self._backward_done(x.shape[0])
         return {"epoch": self.runtime.epoch}, [] if grad is None else [grad]
+
+    async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
+        """Wait (briefly) for the other requests of this request's forward batch, then one backward for all.
+
+        Requests whose gradient has not come by `server.batch_backward_wait` are left out and
+        recomputed when it comes; so is everyone if a step changed the weights meanwhile.
+        """
+        waiting = self._batch_waits.setdefault(graph, {})
+        future = asyncio.get_running_loop().create_future()
+        waiting[key] = (dy, future)
+        if len(waiting) == graph.size:
+            asyncio.create_task(self._run_batch_backward(graph))
+        elif len(waiting) == 1:
+            asyncio.get_running_loop().call_later(
+                self.cfg.server.batch_backward_wait, lambda: asyncio.create_task(self._run_batch_backward(graph))
+            )
+        return await future
+
+    async def _run_batch_backward(self, graph: BatchGraph) -> None:
+        waiting = self._batch_waits.pop(graph, None)
+        if not waiting:
+            return  # already run
+        grads = {key: dy for key, (dy, _) in waiting.items()}
+        try:
+            async with self._gate:
+                if self.runtime.live_graph(next(iter(grads))) is not graph:
+                    results = dict.fromkeys(grads, _RECOMPUTE)
+                else:
+                    results = await self._run_timed(self.runtime.backward_batch, graph, grads)
+        except Exception as e:
+            for _, future in waiting.values():
+                future.set_exception(e)
+            return
+        for key, (_, future) in waiting.items():
+            future.set_result(results[key])
 
     def _backward_done(self, samples: int) -> None:
         self._window_samples += samples
@@ -426,6 +472,8 @@ class StageServer:
             "fast_backwards": runtime.fast_backwards,
             "recomputed_backwards": runtime.recomputed_backwards,
             "throughput": self.meter.rate,
+            "busy_seconds": self.busy_seconds,
+            "alive_seconds": time.time() - self.started,
             **self.counters,
         }
         (out / f"server-s{self.stage}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary, indent=1))

@@ -59,6 +59,7 @@ class Trainer:
         self.completed: list[Completed] = []
         self.failed = 0
         self.retries = 0
+        self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
         self._ids = itertools.count()
         self._mismatch_logged: set[str] = set()
         self._waiting_logged: set[int] = set()
@@ -151,6 +152,7 @@ class Trainer:
                 await self._wait_for_server(stage)
                 peer = self._pick(stage, prefer)
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
+            started = time.perf_counter()
             try:
                 reply = await self.client.call(peer, method, meta, tensors, self.tc.request_timeout)
             except CallFailed as e:
@@ -164,6 +166,8 @@ class Trainer:
                 continue
             finally:
                 self.inflight[peer] -= 1
+                key = f"{stage}/{method}"
+                self.call_seconds[key] = self.call_seconds.get(key, 0.0) + time.perf_counter() - started
             self.bans.forgive(peer)
             self.stage_epoch[stage] = max(self.stage_epoch[stage], int(reply[0].get("epoch", 0)))
             return peer, reply
@@ -226,6 +230,7 @@ class Trainer:
             "failed": self.failed,
             "retries": self.retries,
             "started": getattr(self, "started", None),
+            "call_seconds": self.call_seconds,
             "completed": [[c.time, c.samples, c.loss, c.epoch] for c in self.completed],
         }
         (out / f"trainer-{self.tc.index}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary))

@@ -1,0 +1,116 @@
+"""Local swarm throughput against plain single-process training of the same model and batch.
+
+    .venv/bin/python benchmarks/throughput.py [--steps N] [--set section.field=value ...]
+
+Both runs train the same model with the same microbatch size and optimizer batch on the same
+machine. The baseline is one process using every core; the swarm is the configured local swarm
+(by default 2 stages x 1 server, 1 trainer, one thread per peer: as many compute threads as the
+baseline has). The script prints samples/s of each, their ratio, and where the swarm's time goes:
+server compute (busy fraction), tensor serialization (measured here on the same tensors), and the
+rest of each call (RPC, queueing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from swarm.config import load_config
+from swarm.data import SampleShard, load_documents, split_inputs_targets
+from swarm.model import ComposedModel, load_stages
+from swarm.net.protocol import encode
+from swarm.ops.run import run_local
+
+COMPUTE_BOUND = [
+    "model.d_model=256", "model.n_heads=4", "model.d_ff=1024", "model.n_layers=4", "model.seq_len=256",
+    "model.num_stages=2", "optim.target_batch_size=32", "optim.warmup_steps=2",
+    "trainer.microbatch_size=8", "trainer.max_inflight=4",
+    "local.servers_per_stage=1", "local.trainers=1", "local.threads_per_peer=1",
+]
+
+
+def baseline(cfg, steps: int) -> float:
+    """Samples/s of ordinary training: one process, all cores, same model, microbatch and step size."""
+    torch.set_num_threads(torch.get_num_threads())
+    model = ComposedModel(load_stages(cfg.model))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
+    shard = SampleShard(load_documents(cfg.data), cfg.model.seq_len, 0, 1, cfg.data.seed)
+    batches = shard.batches(cfg.trainer.microbatch_size)
+    per_step = cfg.optim.target_batch_size // cfg.trainer.microbatch_size
+
+    def step() -> None:
+        for _ in range(per_step):
+            inputs, targets = split_inputs_targets(next(batches))
+            (model(inputs, targets) * inputs.shape[0] / cfg.optim.target_batch_size).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * per_step * cfg.trainer.microbatch_size / (time.perf_counter() - start)
+
+
+def serialization_seconds(cfg, repeats: int = 20) -> float:
+    """Encode + decode time of one microbatch's boundary activation (what each hop pays twice)."""
+    import asyncio
+
+    from swarm.net.protocol import decode
+
+    x = torch.randn(cfg.trainer.microbatch_size, cfg.model.seq_len, cfg.model.d_model)
+
+    async def roundtrip() -> None:
+        async def stream():
+            for m in encode(__import__("hivemind").proto.runtime_pb2.ExpertRequest, {"req": "1"}, [x]):
+                yield m
+
+        await decode(stream(), 1 << 30)
+
+    start = time.perf_counter()
+    for _ in range(repeats):
+        asyncio.run(roundtrip())
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps in each run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--run-dir", default="runs/bench-throughput")
+    args = parser.parse_args()
+    cfg = load_config(overrides=[*COMPUTE_BOUND, f"trainer.target_steps={args.steps}",
+                                 f'run_dir="{args.run_dir}"', *args.overrides])
+
+    single = baseline(cfg, args.steps)
+    print(f"single process : {single:7.2f} samples/s ({torch.get_num_threads()} threads)", flush=True)
+    summary = run_local(cfg, progress=False)
+    swarm = summary["samples_per_second"]
+    print(f"local swarm    : {swarm:7.2f} samples/s")
+    print(f"ratio          : {swarm / single:.3f}")
+
+    wall = summary["wall_seconds"]
+    mbs = summary["samples_completed"] / cfg.trainer.microbatch_size
+    ser = serialization_seconds(cfg)
+    print(f"\nwhere the swarm's time goes ({wall:.1f}s of training, {mbs:.0f} microbatches):")
+    for stage, info in summary["stages"].items():
+        for r in info["replicas"]:
+            print(f"  stage {stage} server busy {r['busy_seconds']:.1f}s = {r['busy_seconds'] / wall:.0%} of the run; "
+                  f"fast/recomputed backwards {r['fast_backwards']}/{r['recomputed_backwards']}")
+    hops = 2 * (cfg.model.num_stages - 1)  # activations forward and gradients back across each boundary
+    print(f"  serialization: {ser * 1e3:.1f} ms per boundary tensor (encode+decode), "
+          f"{hops} per microbatch -> {ser * hops * mbs:.1f}s in total, spread over peers")
+    for key, seconds in summary["trainer_call_seconds"].items():
+        print(f"  trainer waited on stage/method {key}: {seconds:.1f}s ({seconds / mbs * 1e3:.0f} ms per microbatch)")
+    out = Path(args.run_dir) / "benchmark.json"
+    out.write_text(json.dumps({"single": single, "swarm": swarm, "ratio": swarm / single,
+                               "serialization_s": ser, "overrides": [*COMPUTE_BOUND, *args.overrides]}, indent=1))
+    print(f"\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()

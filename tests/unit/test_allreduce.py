@@ -1,0 +1,312 @@
+"""The stage all-reduce, with every member in one event loop: results are the exact mean on every
+member, late owners are woken by contributions, and any disagreement fails the round everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.averaging.allreduce import RoundFailed, StageAllReduce, part_bounds
+from swarm.net.transport import CallFailed
+from swarm.wire.validate import BadRequest
+
+SHORT = 0.3  # seconds a round may take in tests that expect it to fail
+MARGIN = 5.0  # outer deadline: a hang fails the test instead of stalling the suite
+
+
+class LoopbackClient:
+    """Delivers `reduce` calls to the owner's `contribute` as the transport would: copies of the tensors
+    travel, a refusal comes back as CallFailed(refused=True), and the call has a deadline."""
+
+    def __init__(self, own_id: str, members: dict[str, StageAllReduce]):
+        self.own_id = own_id
+        self.members = members
+        self.calls: list[tuple[str, str]] = []
+        self.lose_reply_from: set[str] = set()  # owners whose next reply is lost after they answered
+
+    async def call(
+        self, peer_id: str, method: str, meta: dict[str, Any], tensors: Sequence[torch.Tensor], timeout: float
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        assert method == "reduce"
+        self.calls.append((self.own_id, peer_id))
+        owner = self.members[peer_id]
+        try:
+            reply, out = await asyncio.wait_for(
+                owner.contribute(dict(meta), [t.clone() for t in tensors], self.own_id), timeout
+            )
+        except TimeoutError as e:
+            raise CallFailed(f"{method} timed out after {timeout:.1f}s") from e
+        except BadRequest as e:
+            raise CallFailed(str(e), refused=True) from e
+        if peer_id in self.lose_reply_from:
+            self.lose_reply_from.discard(peer_id)
+            raise CallFailed(f"{method} failed: connection reset")
+        return dict(reply), [t.clone() for t in out]
+
+
+def always(epoch: int, group: tuple[str, ...]) -> bool:
+    return True
+
+
+def make_members(
+    ids: Sequence[str], timeout: float = 5.0, on_wake: dict[str, Callable[[int, tuple[str, ...]], bool]] | None = None
+) -> dict[str, StageAllReduce]:
+    members: dict[str, StageAllReduce] = {}
+    for peer in ids:
+        wake = (on_wake or {}).get(peer, always)
+        members[peer] = StageAllReduce(LoopbackClient(peer, members), peer, stage=1, timeout=timeout, on_wake=wake)
+    return members
+
+
+def grads(sizes: dict[str, int], numel: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {peer: torch.randn(numel, generator=gen) * (n + 1) for peer, n in sizes.items()}
+
+
+def run_all(coro: Coroutine[Any, Any, Any]) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, MARGIN)
+
+    return asyncio.run(bounded())
+
+
+def assert_exact_mean(
+    results: Sequence[tuple[torch.Tensor, int]], flat: dict[str, torch.Tensor], samples: dict[str, int]
+) -> None:
+    total = sum(samples.values())
+    expected = torch.stack(list(flat.values())).sum(0) / total
+    first, _ = results[0]
+    for mean, count in results:
+        assert count == total
+        assert mean.dtype == torch.float32 and mean.shape == expected.shape
+        assert torch.equal(mean, first)  # the same bits on every member
+    torch.testing.assert_close(first, expected, rtol=1e-6, atol=1e-7)
+
+
+# ---- the round -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("numel", [1001, 2])
+def test_every_member_gets_the_same_exact_mean(numel: int) -> None:
+    """Uneven sample counts weigh each replica correctly; sizes not divisible by the group (and smaller
+    than it, giving empty parts) still come back whole."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 3, "peerB": 5, "peerC": 8}
+    flat = grads(samples, numel)
+    members = make_members(ids)
+
+    async def main() -> list[tuple[torch.Tensor, int]]:
+        return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
+
+    results = run_all(main())
+    assert_exact_mean(results, flat, samples)
+    for peer in ids:  # every member sent one part to each other owner
+        assert sorted(members[peer].client.calls) == sorted((peer, o) for o in ids if o != peer)
+        assert members[peer]._rounds == {} and members[peer]._started == {}
+
+
+def test_a_lost_reply_is_recovered_by_calling_again() -> None:
+    """The owner took the part but its reply was lost: the member calls again and receives the round's
+    result (the owner has already finished), so the round still completes with the exact mean."""
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 3, "peerB": 1}
+    flat = grads(samples, 101, seed=3)
+    members = make_members(ids)
+    members["peerA"].client.lose_reply_from.add("peerB")
+
+    async def main() -> list[tuple[torch.Tensor, int]]:
+        return await asyncio.gather(*(members[p].run(2, ids, flat[p], samples[p]) for p in ids))
+
+    results = run_all(main())
+    assert members["peerA"].client.calls == [("peerA", "peerB")] * 2
+    assert_exact_mean(results, flat, samples)
+
+
+def test_gradients_are_not_modified_in_place() -> None:
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 10)
+    kept = {p: g.clone() for p, g in flat.items()}
+    members = make_members(ids)
+
+    async def main() -> list[tuple[torch.Tensor, int]]:
+        return await asyncio.gather(*(members[p].run(4, ids, flat[p], samples[p]) for p in ids))
+
+    run_all(main())
+    for peer in ids:
+        assert torch.equal(flat[peer], kept[peer])
+
+
+def test_a_member_outside_its_own_group_is_refused() -> None:
+    members = make_members(["peerA", "peerB"])
+    with pytest.raises(ValueError, match="own group"):
+        run_all(members["peerA"].run(0, ("peerB", "peerC"), torch.zeros(4), 1))
+
+
+@pytest.mark.parametrize(("total", "parts"), [(1001, 3), (12, 4), (7, 1), (2, 3), (0, 2), (100, 7)])
+def test_part_bounds_cover_the_vector_in_near_equal_slices(total: int, parts: int) -> None:
+    bounds = part_bounds(total, parts)
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == total
+    for (_, stop), (start, _) in zip(bounds, bounds[1:], strict=False):
+        assert stop == start  # contiguous: no gap, no overlap
+    sizes = [stop - start for start, stop in bounds]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+    assert sum(sizes) == total
+
+
+# ---- waking a late owner ---------------------------------------------------------------------------
+
+
+def test_a_contribution_wakes_an_owner_that_has_not_begun() -> None:
+    """peerB starts its round only when a contribution reaches it and its on_wake joins the proposed
+    group; the round then completes for all three."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 2, "peerB": 7, "peerC": 4}
+    flat = grads(samples, 1001, seed=1)
+    woken: list[tuple[int, tuple[str, ...]]] = []
+    late: list[asyncio.Task] = []
+
+    def wake_b(epoch: int, group: tuple[str, ...]) -> bool:
+        woken.append((epoch, group))
+        if not late:  # a second early contribution must not start a second round
+            late.append(asyncio.create_task(members["peerB"].run(epoch, group, flat["peerB"], samples["peerB"])))
+        return True
+
+    members = make_members(ids, on_wake={"peerB": wake_b})
+
+    async def main() -> list[tuple[torch.Tensor, int]]:
+        early = await asyncio.gather(*(members[p].run(9, ids, flat[p], samples[p]) for p in ("peerA", "peerC")))
+        assert len(late) == 1
+        return [*early, await late[0]]
+
+    results = run_all(main())
+    assert woken and set(woken) == {(9, ids)}
+    assert_exact_mean(results, flat, samples)
+
+
+def test_owner_at_another_epoch_fails_the_senders_round() -> None:
+    """on_wake returning False (the owner is not at this epoch) refuses the contribution: RoundFailed."""
+    ids = ("peerA", "peerB")
+    woken: list[tuple[int, tuple[str, ...]]] = []
+
+    def elsewhere(epoch: int, group: tuple[str, ...]) -> bool:
+        woken.append((epoch, group))
+        return False
+
+    members = make_members(ids, timeout=SHORT, on_wake={"peerB": elsewhere})
+    with pytest.raises(RoundFailed, match="epoch 3") as info:
+        run_all(members["peerA"].run(3, ids, torch.randn(11), 2))
+    assert woken == [(3, ids)]
+    assert isinstance(info.value.__cause__, CallFailed) and info.value.__cause__.refused
+    assert "not at epoch 3" in str(info.value)
+    assert members["peerA"]._rounds == {}
+
+
+def test_woken_owner_that_never_begins_refuses_after_the_timeout() -> None:
+    """on_wake says yes but no round starts here: the contribution is refused once `timeout` passes,
+    and the sender's round fails."""
+    ids = ("peerA", "peerB")
+    woken: list[tuple[int, tuple[str, ...]]] = []
+
+    def agree(epoch: int, group: tuple[str, ...]) -> bool:
+        woken.append((epoch, group))
+        return True
+
+    members = make_members(ids, timeout=SHORT, on_wake={"peerB": agree})
+    meta = {"epoch": 2, "group": list(ids), "samples": 1, "stage": 1}
+    with pytest.raises(BadRequest, match="no round for epoch 2 began here"):
+        run_all(members["peerB"].contribute(meta, [torch.zeros(5)], "peerA"))
+    assert woken == [(2, ids)]
+    assert members["peerB"]._started == {}
+
+    with pytest.raises(RoundFailed):
+        run_all(members["peerA"].run(2, ids, torch.randn(11), 2))
+
+
+# ---- disagreement and absence --------------------------------------------------------------------
+
+
+def test_group_mismatch_fails_every_member() -> None:
+    """peerC believes peerB is not in the group: owners refuse each other's contributions."""
+    views = {"peerA": ("peerA", "peerB", "peerC"), "peerB": ("peerA", "peerB", "peerC"), "peerC": ("peerA", "peerC")}
+    samples = {"peerA": 1, "peerB": 1, "peerC": 1}
+    flat = grads(samples, 30)
+    members = make_members(list(views), timeout=SHORT)
+
+    async def main() -> list[Any]:
+        runs = (members[p].run(0, views[p], flat[p], samples[p]) for p in views)
+        return await asyncio.gather(*runs, return_exceptions=True)
+
+    outcomes = run_all(main())
+    assert all(isinstance(o, RoundFailed) for o in outcomes), outcomes
+    assert any("group mismatch" in str(o) for o in outcomes)
+
+
+def test_absent_member_fails_the_others_within_the_timeout() -> None:
+    """peerC is in everyone's group but never runs: the others give up after `timeout`, not later."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 100)
+    members = make_members(ids, timeout=SHORT)
+
+    async def main() -> tuple[list[Any], float]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        outcomes = await asyncio.gather(
+            *(members[p].run(0, ids, flat[p], samples[p]) for p in samples), return_exceptions=True
+        )
+        return outcomes, loop.time() - start
+
+    outcomes, elapsed = run_all(main())
+    assert all(isinstance(o, RoundFailed) for o in outcomes), outcomes
+    assert elapsed < SHORT + 1.0
+    for peer in samples:
+        assert members[peer]._rounds == {}
+
+
+# ---- malformed requests --------------------------------------------------------------------------
+
+
+def _meta(**overrides: Any) -> dict[str, Any]:
+    return {"epoch": 0, "group": ["peerA", "peerB"], "samples": 2, "stage": 1, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("meta", "tensors", "sender"),
+    [
+        ([], [torch.zeros(5)], "peerB"),
+        (None, [torch.zeros(5)], "peerB"),
+        ({"group": ["peerA", "peerB"], "samples": 2}, [torch.zeros(5)], "peerB"),
+        (_meta(epoch="zero"), [torch.zeros(5)], "peerB"),
+        (_meta(samples=None), [torch.zeros(5)], "peerB"),
+        (_meta(group=5), [torch.zeros(5)], "peerB"),
+        (_meta(), [torch.zeros(5)], "peerC"),  # sender outside the group it claims
+        (_meta(), [torch.zeros(5), torch.zeros(5)], "peerB"),
+        (_meta(), [], "peerB"),
+        (_meta(), [torch.zeros(4)], "peerB"),  # wrong part size
+        (_meta(), [torch.zeros(5, dtype=torch.float64)], "peerB"),
+        (_meta(group=["peerA", "peerB", "peerC"]), [torch.zeros(5)], "peerB"),  # another group
+    ],
+)
+def test_malformed_reduce_requests_are_refused(meta: Any, tensors: list[torch.Tensor], sender: str) -> None:
+    """While peerA's round for epoch 0 (part size 5) is open, bad requests raise BadRequest only."""
+    members = make_members(["peerA", "peerB"], timeout=SHORT)
+    owner = members["peerA"]
+
+    async def main() -> None:
+        round_ = asyncio.create_task(owner.run(0, ("peerA", "peerB"), torch.zeros(10), 1))
+        await asyncio.sleep(0)  # the round is registered before its first await
+        assert 0 in owner._rounds
+        try:
+            with pytest.raises(BadRequest):
+                await owner.contribute(meta, tensors, sender)
+        finally:
+            round_.cancel()
+            await asyncio.gather(round_, return_exceptions=True)
+
+    run_all(main())

@@ -1,0 +1,214 @@
+"""Framing of calls: metadata and tensors survive encode/decode, big tensors are split under the
+4 MiB message cap, and anything oversized or malformed is refused as a BadRequest."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from swarm.net.protocol import decode, encode
+from swarm.wire.validate import BadRequest
+
+MESSAGE_CAP = 4 * 1024 * 1024
+UNLIMITED = 1 << 34
+
+
+async def _stream(messages: Iterable[Any]) -> AsyncIterator[Any]:
+    for msg in messages:
+        yield msg
+
+
+def decode_list(messages: Sequence[Any], max_bytes: int = UNLIMITED) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    return asyncio.run(decode(_stream(messages), max_bytes))
+
+
+def test_round_trip_of_metadata_and_mixed_tensors() -> None:
+    """Every dtype comes back bit-identical, in order, and a >4 MiB tensor spans several messages."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(1536, 1024, generator=gen)  # 6 MiB of float32
+    tensors = [
+        torch.randn(3, 16, 32, generator=gen),
+        torch.randint(0, 257, (3, 16), generator=gen),
+        torch.randn(5, 7, generator=gen).half(),
+        torch.randn(4, 4, generator=gen).to(torch.bfloat16),
+        big,
+        torch.tensor([True, False, True]),
+        torch.tensor(2.5),  # 0-dim
+        torch.randn(4, 3, generator=gen).t(),  # not contiguous
+    ]
+    meta = {"epoch": 3, "request": "abc", "group": ["p1", "p2"], "nested": {"k": [1.5, None]}}
+    messages = list(encode(runtime_pb2.ExpertRequest, meta, tensors))
+    assert all(msg.ByteSize() < MESSAGE_CAP for msg in messages)
+    assert len(messages) > len(tensors)  # the big tensor alone needs more than one message
+    assert sum(1 for m in messages for p in m.tensors if p.dtype == "float32" and list(p.size) == [1536, 1024]) == 1
+    assert messages[0].metadata and not any(m.metadata for m in messages[1:])
+
+    got_meta, got = decode_list(messages)
+    assert got_meta == meta
+    assert len(got) == len(tensors)
+    for original, restored in zip(tensors, got, strict=True):
+        assert restored.dtype == original.dtype
+        assert restored.shape == original.shape
+        assert torch.equal(restored, original)
+
+
+def test_a_big_tensor_alone_is_split_and_reassembled() -> None:
+    big = torch.arange(3 * 1024 * 1024, dtype=torch.float32)  # 12 MiB
+    messages = list(encode(runtime_pb2.ExpertResponse, {"ok": True}, [big]))
+    assert len(messages) > 1
+    assert all(msg.ByteSize() < MESSAGE_CAP for msg in messages)
+    meta, tensors = decode_list(messages)
+    assert meta == {"ok": True}
+    assert len(tensors) == 1 and torch.equal(tensors[0], big)
+
+
+def test_no_tensors_still_carries_metadata() -> None:
+    messages = list(encode(runtime_pb2.ExpertRequest, {"stage": 2}, []))
+    assert len(messages) == 1
+    assert decode_list(messages) == ({"stage": 2}, [])
+
+
+def test_empty_metadata_round_trips() -> None:
+    meta, tensors = decode_list(list(encode(runtime_pb2.ExpertRequest, {}, [torch.ones(2)])))
+    assert meta == {}
+    assert len(tensors) == 1 and torch.equal(tensors[0], torch.ones(2))
+
+
+def test_payload_over_the_limit_is_refused_with_the_limit_named() -> None:
+    messages = list(encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(300_000)]))  # 1.2 MB
+    with pytest.raises(BadRequest, match=r"exceeds the limit of 1\.0 MiB") as info:
+        decode_list(messages, max_bytes=1 << 20)
+    assert str(info.value).startswith("refused:")
+
+
+def test_payload_at_the_limit_is_accepted() -> None:
+    tensor = torch.zeros(1024)
+    meta, tensors = decode_list(list(encode(runtime_pb2.ExpertRequest, {}, [tensor])), max_bytes=4096)
+    assert len(tensors) == 1 and torch.equal(tensors[0], tensor)
+
+
+def test_oversized_stream_is_refused_before_it_is_consumed() -> None:
+    """The byte count is checked as parts arrive: the stream is not read to its end first."""
+    big = torch.zeros(3 * 1024 * 1024)
+    messages = list(encode(runtime_pb2.ExpertRequest, {}, [big, big]))
+    consumed = 0
+
+    async def counting() -> AsyncIterator[Any]:
+        nonlocal consumed
+        for msg in messages:
+            consumed += 1
+            yield msg
+
+    with pytest.raises(BadRequest, match="exceeds the limit"):
+        asyncio.run(decode(counting(), max_bytes=8 << 20))
+    assert consumed < len(messages)
+
+
+def _one_tensor_message() -> runtime_pb2.ExpertRequest:
+    (msg,) = encode(runtime_pb2.ExpertRequest, {"epoch": 1}, [torch.arange(12, dtype=torch.float32).view(3, 4)])
+    return msg
+
+
+def _random_buffer(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.tensors[0].buffer = bytes(torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(1)).tolist())
+
+
+def _unknown_dtype(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.tensors[0].dtype = "not_a_dtype"
+
+
+def _wider_dtype(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.tensors[0].dtype = "float64"  # 48 bytes now hold 6 values, not the 12 the shape says
+
+
+def _object_dtype(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.tensors[0].dtype = "object"
+
+
+def _wrong_shape(msg: runtime_pb2.ExpertRequest) -> None:
+    del msg.tensors[0].size[:]
+    msg.tensors[0].size.extend([5, 5])
+
+
+def _unknown_compression(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.tensors[0].compression = 97
+
+
+def _integer_requiring_grad(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.tensors[0].dtype = "int32"
+    msg.tensors[0].requires_grad = True
+
+
+def _metadata_invalid_byte(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.metadata = b"\xc1"  # never used by msgpack
+
+
+def _metadata_truncated(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.metadata = msgpack.packb({"epoch": 1, "group": ["a", "b"]})[:-3]
+
+
+def _metadata_trailing_bytes(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.metadata = msgpack.packb({"epoch": 1}) + b"\x00"
+
+
+def _metadata_not_a_map(msg: runtime_pb2.ExpertRequest) -> None:
+    msg.metadata = msgpack.packb([1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        _random_buffer,
+        _unknown_dtype,
+        _wider_dtype,
+        _object_dtype,
+        _wrong_shape,
+        _unknown_compression,
+        _integer_requiring_grad,
+        _metadata_invalid_byte,
+        _metadata_truncated,
+        _metadata_trailing_bytes,
+        _metadata_not_a_map,
+    ],
+)
+def test_garbage_is_refused_as_bad_request(corrupt: Callable[[runtime_pb2.ExpertRequest], None]) -> None:
+    """Whatever is wrong with a payload, the receiver raises BadRequest and nothing else."""
+    msg = _one_tensor_message()
+    corrupt(msg)
+    with pytest.raises(BadRequest) as info:
+        decode_list([msg])
+    assert type(info.value) is BadRequest
+    assert str(info.value).startswith("refused:")
+
+
+def test_corrupted_continuation_part_is_refused() -> None:
+    """A later part of a split tensor that is cut short makes the whole tensor unreadable."""
+    messages = list(encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(2 * 1024 * 1024)]))
+    assert len(messages) > 1
+    messages[-1].tensors[0].buffer = messages[-1].tensors[0].buffer[:-3]
+    with pytest.raises(BadRequest, match="malformed payload"):
+        decode_list(messages)
+
+
+def test_empty_stream_is_refused() -> None:
+    """A stream closed before its first message has no metadata: refused, not an empty request."""
+    with pytest.raises(BadRequest, match="empty stream"):
+        decode_list([])
+
+
+def test_a_failing_stream_propagates_its_own_error() -> None:
+    """A broken connection is not the sender's malformed request: its error is not turned into a refusal."""
+    messages = list(encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(2 * 1024 * 1024)]))
+
+    async def broken() -> AsyncIterator[Any]:
+        yield messages[0]
+        raise ConnectionResetError("peer went away")
+
+    with pytest.raises(ConnectionResetError, match="peer went away"):
+        asyncio.run(decode(broken(), UNLIMITED))

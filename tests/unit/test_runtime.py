@@ -1,0 +1,394 @@
+"""A stage's compute: a pipeline of runtimes reproduces one model's gradients, the fast backward matches
+the recomputed one, and the optimizer step is AdamW on the mean gradient, reproducible bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from swarm.config import ModelConfig, OptimConfig
+from swarm.core.schedule import warmup_lr
+from swarm.model import PAD_ID, ComposedModel, load_stages
+from swarm.net.protocol import decode, encode
+from swarm.server.runtime import StageRuntime
+
+SEQ = 16
+D_MODEL = 32
+OPTIM = OptimConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, warmup_steps=4, clip_grad_norm=1e9)
+
+
+def tiny_cfg(n_layers: int = 3, num_stages: int = 3) -> ModelConfig:
+    return ModelConfig(
+        d_model=D_MODEL,
+        n_heads=2,
+        d_ff=64,
+        n_layers=n_layers,
+        seq_len=SEQ,
+        vocab_size=257,
+        num_stages=num_stages,
+        dropout=0.0,
+    )
+
+
+def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (size, SEQ + 1), generator=gen)
+    tokens[0, -5:] = PAD_ID  # a padded tail: those targets do not count in the loss
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def hidden(size: int, seed: int) -> torch.Tensor:
+    return torch.randn(size, SEQ, D_MODEL, generator=torch.Generator().manual_seed(seed))
+
+
+def runtime(stage: torch.nn.Module, optim: OptimConfig = OPTIM) -> StageRuntime:
+    return StageRuntime(copy.deepcopy(stage), optim)
+
+
+def flat(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def over_the_wire(meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+    """What a state download does to the state: encoded for the wire, decoded on the other side."""
+
+    async def stream() -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for msg in encode(runtime_pb2.ExpertResponse, meta, tensors):
+            yield msg
+
+    return asyncio.run(decode(stream(), 1 << 34))
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    assert actual.shape == expected.shape
+    diff = (actual - expected).abs().max().item()
+    assert diff <= tol, f"max abs difference {diff:.3g} > {tol:.3g}"
+
+
+# ---- the pipeline equals one model ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n_layers", "num_stages"), [(2, 2), (3, 3)])
+def test_pipeline_gradients_equal_the_composed_model(n_layers: int, num_stages: int) -> None:
+    """Forward stage by stage, last stage's forward+backward, backward in reverse: every stage's
+    accumulated gradient is batch * d(mean loss)/d(params) of the single-process model."""
+    stages = load_stages(tiny_cfg(n_layers, num_stages))
+    runtimes = [runtime(s) for s in stages]
+    reference = ComposedModel(copy.deepcopy(stages))
+    inputs, targets = batch(3, seed=0)
+
+    ref_loss = reference(inputs, targets)
+    ref_loss.backward()
+
+    sent = [inputs]  # what each stage received, as the trainer keeps it for the backward
+    for rt in runtimes[:-1]:
+        (out,) = rt.forward([("mb0", sent[-1])])
+        sent.append(out)
+    loss, grad = runtimes[-1].forward_backward_last(sent[-1], targets)
+    for k in range(num_stages - 2, -1, -1):
+        grad = runtimes[k].backward("mb0", sent[k], grad)
+    assert grad is None  # the first stage has no input gradient to return
+
+    assert loss == pytest.approx(ref_loss.item(), abs=1e-6)
+    for rt, ref_stage in zip(runtimes, reference.stages, strict=True):
+        expected = torch.cat([p.grad.reshape(-1) for p in ref_stage.parameters()]) * inputs.shape[0]
+        assert_within(rt.flat_grad(), expected, 1e-5)
+        assert rt.pending_samples == 3
+    assert [rt.fast_backwards for rt in runtimes[:-1]] == [1] * (num_stages - 1)
+    assert all(rt.recomputed_backwards == 0 for rt in runtimes)
+
+
+def test_flat_grad_is_zero_before_any_backward() -> None:
+    stage = load_stages(tiny_cfg())[1]
+    rt = runtime(stage)
+    grad = rt.flat_grad()
+    assert grad.dtype == torch.float32
+    assert grad.numel() == sum(p.numel() for p in stage.parameters())
+    assert not grad.any()
+
+
+# ---- fast path and recompute ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_fast_backward_equals_recomputed_backward(index: int) -> None:
+    """The kept graph and a recompute from the inputs give the same input and parameter gradients."""
+    stage = load_stages(tiny_cfg())[index]
+    x = batch(2, seed=1)[0] if index == 0 else hidden(2, seed=1)
+    grad_out = hidden(2, seed=2)
+    fast, slow = runtime(stage), runtime(stage)
+
+    (out,) = fast.forward([("r1", x)])
+    grad_fast = fast.backward("r1", x, grad_out)
+    grad_slow = slow.backward("never-forwarded", x, grad_out)
+
+    assert (fast.fast_backwards, fast.recomputed_backwards) == (1, 0)
+    assert (slow.fast_backwards, slow.recomputed_backwards) == (0, 1)
+    assert fast.pending_samples == slow.pending_samples == 2
+    assert "r1" not in fast.graphs
+    if index == 0:
+        assert grad_fast is None and grad_slow is None
+    else:
+        assert grad_fast is not None and grad_slow is not None
+        assert grad_fast.shape == x.shape
+        assert_within(grad_fast, grad_slow, 1e-6)
+    assert fast.flat_grad().any()
+    assert_within(fast.flat_grad(), slow.flat_grad(), 1e-6)
+
+
+def test_second_backward_for_a_request_recomputes() -> None:
+    """A kept graph serves one backward; a repeat (a retried call) recomputes and accumulates again."""
+    rt = runtime(load_stages(tiny_cfg())[1])
+    x, grad_out = hidden(2, seed=3), hidden(2, seed=4)
+    rt.forward([("r", x)])
+    first = rt.backward("r", x, grad_out)
+    once = rt.flat_grad()
+    second = rt.backward("r", x, grad_out)
+    assert (rt.fast_backwards, rt.recomputed_backwards) == (1, 1)
+    assert rt.pending_samples == 4
+    assert_within(second, first, 1e-6)
+    assert_within(rt.flat_grad(), 2 * once, 1e-5)
+
+
+# ---- batched forward -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_batched_forward_equals_separate_requests(index: int) -> None:
+    """Two requests merged into one forward and back-propagated together in one pass give the outputs
+    and gradients of processing them separately, on the fast path."""
+    stage = load_stages(tiny_cfg())[index]
+    if index == 0:
+        x1, x2 = batch(2, seed=5)[0], batch(3, seed=6)[0]
+    else:
+        x1, x2 = hidden(2, seed=5), hidden(3, seed=6)
+    g1, g2 = hidden(2, seed=7), hidden(3, seed=8)
+    merged, separate = runtime(stage), runtime(stage)
+
+    out1, out2 = merged.forward([("r1", x1), ("r2", x2)])
+    graph = merged.live_graph("r1")
+    assert graph is not None and graph is merged.live_graph("r2") and graph.size == 2
+    backs = merged.backward_batch(graph, {"r2": g2, "r1": g1})
+    back1, back2 = backs["r1"], backs["r2"]
+
+    (ref1,) = separate.forward([("r1", x1)])
+    ref_back1 = separate.backward("r1", x1, g1)
+    (ref2,) = separate.forward([("r2", x2)])
+    ref_back2 = separate.backward("r2", x2, g2)
+
+    assert out1.shape == (2, SEQ, D_MODEL) and out2.shape == (3, SEQ, D_MODEL)
+    assert_within(out1, ref1, 1e-6)
+    assert_within(out2, ref2, 1e-6)
+    if index == 1:
+        assert_within(back1, ref_back1, 1e-6)
+        assert_within(back2, ref_back2, 1e-6)
+    assert_within(merged.flat_grad(), separate.flat_grad(), 1e-5)
+    assert merged.fast_backwards == separate.fast_backwards == 2
+    assert merged.recomputed_backwards == 0
+    assert merged.pending_samples == separate.pending_samples == 5
+    assert merged.graphs == {}
+
+
+# ---- the optimizer step --------------------------------------------------------------------------
+
+
+def accumulate(rt: StageRuntime, seed: int, size: int = 3) -> int:
+    """One microbatch's backward on a middle stage; returns its sample count."""
+    rt.backward(f"acc{seed}", hidden(size, seed), hidden(size, seed + 100))
+    return size
+
+
+def reference_steps(
+    stage: torch.nn.Module, mean_grads: list[torch.Tensor], optim: OptimConfig
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Plain torch: clip, AdamW at the warm-up lr of each step; returns final params and pre-clip norms."""
+    params = list(copy.deepcopy(stage).parameters())
+    opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    norms = []
+    for step, mean in enumerate(mean_grads):
+        offset = 0
+        for p in params:
+            p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, optim.clip_grad_norm or math.inf)))
+        for group in opt.param_groups:
+            group["lr"] = warmup_lr(step, optim.lr, optim.warmup_steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return params, norms
+
+
+def test_apply_step_is_adamw_on_the_mean_gradient() -> None:
+    stage = load_stages(tiny_cfg())[1]
+    rt = runtime(stage)
+    before = flat(rt.params).clone()
+    samples = accumulate(rt, seed=10) + accumulate(rt, seed=11, size=2)
+    assert rt.pending_samples == samples
+    rt.forward([("kept", hidden(2, seed=12))])  # a graph built at epoch 0
+    mean = rt.flat_grad() / samples
+
+    record = rt.apply_step(mean, samples, group=2)
+
+    expected, (norm,) = reference_steps(stage, [mean], OPTIM)
+    assert norm < OPTIM.clip_grad_norm  # this case does not clip
+    assert_within(flat(rt.params), flat(expected), 1e-6)
+    assert (flat(rt.params) - before).abs().max() > 1e-3  # it did move
+    assert record.epoch == rt.epoch == 1
+    assert (record.samples, record.group) == (samples, 2)
+    assert record.lr == warmup_lr(0, OPTIM.lr, OPTIM.warmup_steps) == OPTIM.lr / OPTIM.warmup_steps
+    assert record.grad_norm == pytest.approx(norm, rel=1e-6)
+    assert record.digest == rt.digest()
+    assert rt.pending_samples == 0
+    assert not rt.flat_grad().any()
+    assert rt.graphs == {}
+
+    # The graph from epoch 0 is gone: its backward recomputes at the new weights.
+    fresh = runtime(stage)
+    fresh.load_state(*rt.state())
+    x, g = hidden(2, seed=12), hidden(2, seed=13)
+    grad = rt.backward("kept", x, g)
+    assert (rt.fast_backwards, rt.recomputed_backwards) == (0, 3)
+    assert_within(grad, fresh.backward("other", x, g), 0.0)
+
+
+def test_apply_step_clips_to_the_configured_norm() -> None:
+    """With a norm far above the limit, two steps match the reference that clips; without clipping
+    the weights would differ, so the clip is what the match pins."""
+    stage = load_stages(tiny_cfg())[1]
+    probe = runtime(stage)
+    samples = accumulate(probe, seed=20)
+    natural = float(probe.flat_grad().div(samples).norm())
+    optim = OptimConfig(
+        lr=OPTIM.lr, betas=OPTIM.betas, weight_decay=OPTIM.weight_decay, warmup_steps=4, clip_grad_norm=1e-6
+    )
+    assert natural > 100 * optim.clip_grad_norm
+    rt = runtime(stage, optim)
+
+    means, records = [], []
+    for step in range(2):
+        samples = accumulate(rt, seed=20 + step)
+        means.append(rt.flat_grad() / samples)
+        records.append(rt.apply_step(means[-1], samples, group=1))
+
+    clipped, norms = reference_steps(stage, means, optim)
+    unclipped, _ = reference_steps(stage, means, OPTIM)
+    assert_within(flat(rt.params), flat(clipped), 1e-6)
+    assert (flat(rt.params) - flat(unclipped)).abs().max() > 1e-4
+    assert [r.grad_norm for r in records] == pytest.approx(norms, rel=1e-6)
+    assert records[0].grad_norm == pytest.approx(natural, rel=1e-6)
+    assert [r.lr for r in records] == [warmup_lr(s, optim.lr, optim.warmup_steps) for s in range(2)]
+    assert rt.epoch == 2
+
+
+def test_discard_gradients_forgets_everything_accumulated() -> None:
+    rt = runtime(load_stages(tiny_cfg())[1])
+    accumulate(rt, seed=30)
+    rt.forward([("kept", hidden(2, seed=31))])
+    assert rt.discard_gradients() == 3
+    assert rt.pending_samples == 0
+    assert not rt.flat_grad().any()
+    assert rt.graphs == {}
+    assert rt.epoch == 0
+
+
+# ---- state transfer and digests ------------------------------------------------------------------
+
+
+def train_steps(rt: StageRuntime, seeds: list[int]) -> None:
+    for seed in seeds:
+        samples = accumulate(rt, seed)
+        rt.apply_step(rt.flat_grad() / samples, samples, group=1)
+
+
+def test_loaded_state_reproduces_the_next_step_bit_for_bit() -> None:
+    """A newcomer that loads a replica's state (sent over the wire framing) holds the same bits, and
+    the same next step keeps both identical: optimizer moments and step count travel too."""
+    stage = load_stages(tiny_cfg())[1]
+    source = runtime(stage)
+    train_steps(source, [40, 41])
+    newcomer = runtime(stage)
+    assert newcomer.digest() != source.digest()
+    accumulate(newcomer, seed=99)  # stale work, computed at other weights
+
+    meta, tensors = source.state()
+    wire_meta, wire_tensors = over_the_wire(meta, tensors)
+    newcomer.load_state(wire_meta, wire_tensors)
+
+    assert newcomer.epoch == source.epoch == 2
+    assert newcomer.digest() == source.digest()
+    assert newcomer.pending_samples == 0 and not newcomer.flat_grad().any()
+
+    for rt in (source, newcomer):
+        train_steps(rt, [42])
+    assert newcomer.epoch == source.epoch == 3
+    assert newcomer.digest() == source.digest()
+    for a, b in zip(newcomer.params, source.params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_state_without_optimizer_moments_would_diverge() -> None:
+    """Guards the test above: a newcomer with the weights but a fresh optimizer steps differently."""
+    stage = load_stages(tiny_cfg())[1]
+    source = runtime(stage)
+    train_steps(source, [40, 41])
+    newcomer = runtime(stage)
+    meta, tensors = source.state()
+    newcomer.load_state({**meta, "opt_keys": []}, tensors[: len(meta["names"])])
+    assert newcomer.digest() == source.digest()
+    for rt in (source, newcomer):
+        train_steps(rt, [42])
+    assert newcomer.digest() != source.digest()
+
+
+def test_load_state_refuses_a_wrong_tensor_count() -> None:
+    stage = load_stages(tiny_cfg())[1]
+    source, target = runtime(stage), runtime(stage)
+    train_steps(source, [50])
+    meta, tensors = source.state()
+    with pytest.raises(ValueError, match="expected"):
+        target.load_state(meta, tensors[:-1])
+
+
+def test_digest_follows_the_parameters() -> None:
+    rt = runtime(load_stages(tiny_cfg())[1])
+    other = runtime(load_stages(tiny_cfg())[1])
+    original = rt.digest()
+    assert len(original) == 16
+    assert other.digest() == original  # same config, same init seed: same bits
+    with torch.no_grad():
+        p = rt.params[-1]
+        old = p.view(-1)[0].clone()
+        p.view(-1)[0] = torch.nextafter(old, old + 1)  # the smallest possible change
+        assert rt.digest() != original
+        p.view(-1)[0] = old
+    assert rt.digest() == original
+
+
+def test_a_batch_member_left_out_of_the_batch_backward_is_recomputed() -> None:
+    """A request whose gradient missed its batch's single backward is recomputed, and the gradients of
+    both requests still sum to those of processing them separately."""
+    stage = load_stages(tiny_cfg())[1]
+    x1, x2, g1, g2 = hidden(2, seed=5), hidden(3, seed=6), hidden(2, seed=7), hidden(3, seed=8)
+    merged, separate = runtime(stage), runtime(stage)
+
+    merged.forward([("r1", x1), ("r2", x2)])
+    back1 = merged.backward_batch(merged.live_graph("r1"), {"r1": g1})["r1"]
+    assert merged.live_graph("r2") is None  # the graph was consumed
+    back2 = merged.backward("r2", x2, g2)
+
+    separate.forward([("r1", x1)])
+    ref1 = separate.backward("r1", x1, g1)
+    separate.forward([("r2", x2)])
+    ref2 = separate.backward("r2", x2, g2)
+
+    assert_within(back1, ref1, 1e-6)
+    assert_within(back2, ref2, 1e-6)
+    assert_within(merged.flat_grad(), separate.flat_grad(), 1e-5)
+    assert (merged.fast_backwards, merged.recomputed_backwards) == (1, 1)
+    assert merged.pending_samples == 5

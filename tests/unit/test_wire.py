@@ -1,0 +1,208 @@
+"""DHT records parse strictly, and tensors from the network are checked before any compute sees them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from swarm.wire.records import RecordError, ServerRecord, TrainerRecord
+from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_tensor
+
+HIDDEN = TensorSpec(torch.float32, (16, 32))
+TOKENS = TensorSpec(torch.int64, (16,), max_value=257)
+
+
+def server_record(**overrides: Any) -> ServerRecord:
+    fields: dict[str, Any] = {
+        "peer_id": "QmServer",
+        "stage": 1,
+        "throughput": 12.5,
+        "queue": 2,
+        "epoch": 7,
+        "pending": 3,
+        "config_hash": "abcdef0123456789",
+        "model": {"d_model": 32, "n_layers": 2},
+    }
+    return ServerRecord(**{**fields, **overrides})
+
+
+def trainer_record(**overrides: Any) -> TrainerRecord:
+    fields: dict[str, Any] = {"peer_id": "QmTrainer", "completed": 40, "failed": 1, "loss": 2.5, "done": False}
+    return TrainerRecord(**{**fields, **overrides})
+
+
+# ---- records -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gone", [False, True])
+def test_server_record_round_trip(gone: bool) -> None:
+    """to_value drops the peer id (it is the DHT subkey) and from_value restores an equal record."""
+    record = server_record(gone=gone)
+    value = record.to_value()
+    assert "peer_id" not in value
+    assert ServerRecord.from_value("QmServer", value) == record
+
+
+def test_trainer_record_round_trip() -> None:
+    record = trainer_record(done=True)
+    value = record.to_value()
+    assert "peer_id" not in value
+    assert TrainerRecord.from_value("QmTrainer", value) == record
+
+
+def test_server_record_defaults_tombstone_and_widens_int_throughput() -> None:
+    """`gone` may be absent (older writers); an int where a float is expected is accepted as a float."""
+    value = server_record().to_value()
+    del value["gone"]
+    value["throughput"] = 3
+    parsed = ServerRecord.from_value("QmServer", value)
+    assert parsed.gone is False
+    assert parsed.throughput == 3.0 and isinstance(parsed.throughput, float)
+
+
+@pytest.mark.parametrize("value", [None, 5, "stage", [1, 2], (1,)])
+@pytest.mark.parametrize("cls", [ServerRecord, TrainerRecord])
+def test_non_dict_values_are_refused(cls: type, value: Any) -> None:
+    with pytest.raises(RecordError, match="expected a dict"):
+        cls.from_value("Qm", value)
+
+
+@pytest.mark.parametrize("missing", ["stage", "throughput", "queue", "epoch", "pending", "config_hash", "model"])
+def test_server_record_missing_field(missing: str) -> None:
+    value = server_record().to_value()
+    del value[missing]
+    with pytest.raises(RecordError, match=f"missing field '{missing}'"):
+        ServerRecord.from_value("Qm", value)
+
+
+@pytest.mark.parametrize("missing", ["completed", "failed", "loss", "done"])
+def test_trainer_record_missing_field(missing: str) -> None:
+    value = trainer_record().to_value()
+    del value[missing]
+    with pytest.raises(RecordError, match=f"missing field '{missing}'"):
+        TrainerRecord.from_value("Qm", value)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("stage", True),  # bool is an int subclass, but not a stage index
+        ("epoch", False),
+        ("queue", 1.0),
+        ("pending", "3"),
+        ("throughput", "fast"),
+        ("throughput", None),
+        ("config_hash", 123),
+        ("model", [1, 2]),
+        ("gone", 1),
+    ],
+)
+def test_server_record_wrong_types(field: str, bad: Any) -> None:
+    value = server_record().to_value()
+    value[field] = bad
+    with pytest.raises(RecordError, match=f"field '{field}'"):
+        ServerRecord.from_value("Qm", value)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("completed", True), ("failed", 2.0), ("loss", "low"), ("done", 0), ("done", "yes")],
+)
+def test_trainer_record_wrong_types(field: str, bad: Any) -> None:
+    value = trainer_record().to_value()
+    value[field] = bad
+    with pytest.raises(RecordError, match=f"field '{field}'"):
+        TrainerRecord.from_value("Qm", value)
+
+
+@pytest.mark.parametrize("field", ["stage", "epoch", "pending", "queue"])
+def test_server_record_negative_counters(field: str) -> None:
+    value = server_record().to_value()
+    value[field] = -1
+    with pytest.raises(RecordError, match="negative"):
+        ServerRecord.from_value("Qm", value)
+
+
+def test_record_error_is_a_value_error() -> None:
+    """Readers drop malformed records with one `except ValueError`-compatible type."""
+    assert issubclass(RecordError, ValueError)
+
+
+# ---- tensors -------------------------------------------------------------------------------------
+
+
+def test_bad_request_message_carries_the_refusal_marker() -> None:
+    """The transport tells a refusal from a failure by this prefix in the error text."""
+    assert str(BadRequest("x")).startswith("refused:")
+    assert str(BadRequest("wrong shape")) == "refused: wrong shape"
+    assert issubclass(BadRequest, ValueError)
+
+
+def test_good_tensors_are_accepted() -> None:
+    check_tensor("hidden", torch.randn(4, 16, 32), HIDDEN, max_batch=4)
+    check_tensor("ids", torch.randint(0, 257, (1, 16)), TOKENS, max_batch=4)
+    ids = torch.zeros(2, 16, dtype=torch.int64)
+    ids[0, 0], ids[1, -1] = 0, 256  # both ends of [0, vocab)
+    check_tensor("ids", ids, TOKENS, max_batch=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64, torch.bfloat16, torch.int64])
+def test_wrong_dtype_is_refused(dtype: torch.dtype) -> None:
+    with pytest.raises(BadRequest, match="hidden: expected dtype torch.float32"):
+        check_tensor("hidden", torch.zeros(2, 16, 32, dtype=dtype), HIDDEN, max_batch=8)
+
+
+def test_integer_ids_of_another_width_are_refused() -> None:
+    with pytest.raises(BadRequest, match="expected dtype torch.int64"):
+        check_tensor("ids", torch.zeros(2, 16, dtype=torch.int32), TOKENS, max_batch=8)
+
+
+@pytest.mark.parametrize("shape", [(2, 16, 31), (2, 15, 32), (2, 16), (2, 16, 32, 1), (16, 32), ()])
+def test_wrong_sample_shape_is_refused(shape: tuple[int, ...]) -> None:
+    with pytest.raises(BadRequest, match=r"expected shape torch.float32 \[B, 16, 32\]"):
+        check_tensor("hidden", torch.zeros(shape), HIDDEN, max_batch=8)
+
+
+@pytest.mark.parametrize("batch", [0, 9, 100])
+def test_batch_outside_limits_is_refused(batch: int) -> None:
+    with pytest.raises(BadRequest, match=rf"batch size {batch} outside \[1, 8\]"):
+        check_tensor("hidden", torch.zeros(batch, 16, 32), HIDDEN, max_batch=8)
+
+
+def test_batch_at_the_limit_is_accepted() -> None:
+    check_tensor("hidden", torch.zeros(8, 16, 32), HIDDEN, max_batch=8)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_values_are_refused(bad: float) -> None:
+    x = torch.zeros(2, 16, 32)
+    x[1, 5, 7] = bad
+    with pytest.raises(BadRequest, match="NaN or Inf"):
+        check_tensor("hidden", x, HIDDEN, max_batch=8)
+
+
+@pytest.mark.parametrize("bad", [-1, 257, 10_000])
+def test_token_ids_out_of_vocabulary_are_refused(bad: int) -> None:
+    ids = torch.randint(0, 257, (3, 16))
+    ids[2, 3] = bad
+    with pytest.raises(BadRequest, match=r"ids must lie in \[0, 257\)"):
+        check_tensor("ids", ids, TOKENS, max_batch=8)
+
+
+def test_ids_without_a_vocabulary_bound_are_not_range_checked() -> None:
+    spec = TensorSpec(torch.int64, (4,))
+    check_tensor("ids", torch.tensor([[-5, 0, 10**9, 3]]), spec, max_batch=1)
+
+
+def test_same_batch_returns_the_common_size() -> None:
+    assert check_same_batch(("inputs", torch.zeros(3, 16)), ("targets", torch.zeros(3, 16, 32))) == 3
+    assert check_same_batch(("only", torch.zeros(5, 2))) == 5
+
+
+def test_different_batches_are_refused_naming_each_tensor() -> None:
+    with pytest.raises(BadRequest, match="batch sizes differ") as info:
+        check_same_batch(("inputs", torch.zeros(3, 16)), ("grad_outputs", torch.zeros(4, 16)))
+    assert "'inputs': 3" in str(info.value) and "'grad_outputs': 4" in str(info.value)
