@@ -35,8 +35,19 @@ from swarm.wire.validate import BadRequest
 log = logging.getLogger(__name__)
 
 
+DIVERGED = "diverged:"  # marks a refusal because member weights differ
+
+
 class RoundFailed(Exception):
     """This round did not complete on this member; its gradients are kept for the next try."""
+
+
+class WeightsDiverged(RoundFailed):
+    """Members of the group hold different weights at the same epoch; a round cannot fix that."""
+
+    def __init__(self, message: str, group: tuple[str, ...]):
+        super().__init__(message)
+        self.group = group
 
 
 def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -55,6 +66,7 @@ class _Round:
     epoch: int
     group: tuple[str, ...]
     size: int
+    digest: str  # the owner's weights: contributions computed on other weights are refused
     contributions: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: tuple[torch.Tensor, int] | None = None
@@ -82,7 +94,7 @@ class StageAllReduce:
         return self._started.setdefault(epoch, asyncio.Event())
 
     async def run(
-        self, epoch: int, group: tuple[str, ...], flat_grad: torch.Tensor, samples: int
+        self, epoch: int, group: tuple[str, ...], flat_grad: torch.Tensor, samples: int, digest: str = ""
     ) -> tuple[torch.Tensor, int]:
         """Sum `flat_grad` and `samples` over `group`; returns (mean gradient, total samples)."""
         if self.own_id not in group:
@@ -90,15 +102,17 @@ class StageAllReduce:
         bounds = part_bounds(flat_grad.numel(), len(group))
         own_part = bounds[group.index(self.own_id)]
         self._finished.pop(epoch, None)  # a new attempt: an earlier failed one's answers are void
-        rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0])
+        rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0], digest)
         self._started_event(epoch).set()
         tasks = [
-            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples))
+            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples, digest))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
         try:
             results = await asyncio.wait_for(asyncio.gather(*tasks), self.timeout)
         except (TimeoutError, CallFailed, BadRequest) as e:
+            if DIVERGED in str(e):
+                raise WeightsDiverged(str(e), group) from e
             raise RoundFailed(f"epoch {epoch} with {len(group)} peers: {e}") from e
         finally:
             for task in tasks:
@@ -116,9 +130,9 @@ class StageAllReduce:
         return torch.cat([part for part, _ in results]), totals.pop()
 
     async def _exchange(
-        self, owner: str, epoch: int, group: tuple[str, ...], part: torch.Tensor, samples: int
+        self, owner: str, epoch: int, group: tuple[str, ...], part: torch.Tensor, samples: int, digest: str
     ) -> tuple[torch.Tensor, int]:
-        meta = {"epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage}
+        meta = {"epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage, "digest": digest}
         if owner == self.own_id:
             reply, tensors = await self.contribute(meta, [part], self.own_id)
         else:
@@ -167,6 +181,8 @@ class StageAllReduce:
             theirs = ",".join(map(short, group))
             mine = ",".join(map(short, rnd.group)) if rnd else "none"
             raise BadRequest(f"group mismatch for epoch {epoch}: sender has [{theirs}], owner has [{mine}]")
+        if meta.get("digest", "") != rnd.digest:
+            raise BadRequest(f"{DIVERGED} weights of {short(sender)} differ from the owner's at epoch {epoch}")
         part = tensors[0]
         if part.numel() != rnd.size or part.dtype != torch.float32:
             raise BadRequest(f"part has {part.numel()} {part.dtype} values, expected {rnd.size} float32")

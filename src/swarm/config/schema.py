@@ -102,7 +102,7 @@ class NetConfig:
     announce_period: float = 1.0  # seconds between DHT announcements
     record_ttl: float = 6.0  # seconds an announcement lives unless renewed
     max_payload_mb: float = 64.0  # requests larger than this are refused
-    allreduce_timeout: float = 30.0  # seconds a stage all-reduce may take before it is retried
+    allreduce_timeout: float = 15.0  # seconds a stage all-reduce may take before it is retried
 
     def __post_init__(self) -> None:
         _require(bool(self.run_id) and "." not in self.run_id, "net.run_id", "must be non-empty without '.'")
@@ -153,7 +153,9 @@ class TrainerConfig:
     microbatch_size: int = 4
     max_inflight: int = 4  # microbatches in the pipeline at once
     target_steps: int = 20  # the run ends once every stage has taken this many optimizer steps
-    request_timeout: float = 30.0  # seconds before a call is abandoned and retried elsewhere
+    # seconds before a call is abandoned and retried elsewhere; longer than net.allreduce_timeout, since
+    # requests queue behind the stage's all-reduce
+    request_timeout: float = 60.0
     ban_seconds: float = 15.0  # a server that failed is not picked again for this long
     max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
     index: int = 0  # this trainer's data shard

@@ -25,9 +25,10 @@ REPLY_LIMIT_BYTES = 1 << 34  # replies come from servers we chose; the request s
 class CallFailed(Exception):
     """The call did not produce a reply. `refused` is True when the server rejected the request itself."""
 
-    def __init__(self, message: str, refused: bool = False):
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False):
         super().__init__(message)
         self.refused = refused
+        self.timed_out = timed_out
 
 
 class StageClient:
@@ -52,7 +53,7 @@ class StageClient:
         try:
             reply, tensors = await asyncio.wait_for(exchange(), timeout)
         except TimeoutError as e:
-            raise CallFailed(f"{method} timed out after {timeout:.1f}s") from e
+            raise CallFailed(f"{method} timed out after {timeout:.1f}s", timed_out=True) from e
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -179,6 +179,9 @@ class LocalSwarm:
                     f"loss {status.loss:.3f} | {rate:.1f} samples/s | servers/stage "
                     + "/".join(str(len(status.epochs.get(k, []))) for k in range(self.cfg.model.num_stages))
                 )
+                for p in self.trainers():
+                    if p.process.poll() not in (None, 0):
+                        raise RuntimeError(f"{p.name} failed (exit code {p.process.returncode}); see {p.log_path}")
                 trainers_over = all(not p.alive() for p in self.trainers())
                 stages_even = all(len(set(e)) == 1 for e in status.epochs.values() if e)
                 if trainers_over and status.pending == 0 and stages_even:
@@ -192,10 +195,18 @@ class LocalSwarm:
     # ---- stopping ----------------------------------------------------------------------------
 
     def stop(self, grace: float = 30.0) -> None:
-        """SIGINT every peer (they leave cleanly), then SIGKILL the groups of any that linger."""
+        """SIGINT every peer's main process (it leaves cleanly, reaping its DHT child and p2pd), then
+        SIGKILL every group, which takes whatever lingers."""
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not abort the cleanup
+        try:
+            self._stop(grace)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _stop(self, grace: float) -> None:
         for p in self.peers:
             if p.alive():
-                p.signal(signal.SIGINT)
+                os.kill(p.process.pid, signal.SIGINT)
         deadline = time.monotonic() + grace
         for p in self.peers:
             try:
@@ -207,7 +218,11 @@ class LocalSwarm:
             p.process.wait()
 
     def __enter__(self) -> LocalSwarm:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:

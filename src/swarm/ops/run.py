@@ -28,11 +28,8 @@ def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
     swarm = LocalSwarm(cfg)
     # a terminated launcher must not leave its peers behind: they run in sessions of their own
     signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        swarm.start()
+    with swarm:
         swarm.wait_until_done(progress=progress)
-    finally:
-        swarm.stop()
     summary = write_report(Path(cfg.run_dir))
     log.info(
         "done: %d samples in %.0fs (%.1f samples/s), loss %.3f -> %.3f; see %s/summary.json, loss.png, throughput.png",

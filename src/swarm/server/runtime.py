@@ -80,6 +80,7 @@ class StageRuntime:
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
         self.recomputed_backwards = 0
+        self.last_digest = self.digest()  # of the current weights; replicas at one epoch must agree on it
 
     # ---- compute -------------------------------------------------------------------------------
 
@@ -187,7 +188,8 @@ class StageRuntime:
         self.epoch += 1
         self.pending_samples = 0
         self.graphs.clear()
-        return StepRecord(self.epoch, samples, group, lr, norm, self.digest())
+        self.last_digest = self.digest()
+        return StepRecord(self.epoch, samples, group, lr, norm, self.last_digest)
 
     def discard_gradients(self) -> int:
         """Forget accumulated gradients (they belong to weights this replica no longer holds)."""
@@ -229,4 +231,5 @@ class StageRuntime:
             opt_state["state"].setdefault(index, {})[key] = t
         self.optimizer.load_state_dict(opt_state)
         self.epoch = int(meta["epoch"])
+        self.last_digest = self.digest()
         self.discard_gradients()

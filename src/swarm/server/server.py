@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.allreduce import RoundFailed, StageAllReduce
+from swarm.averaging.allreduce import RoundFailed, StageAllReduce, WeightsDiverged
 from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
 from swarm.core import RateMeter, backoff_delay, expected_group, stage_ready
 from swarm.model import load_stages
@@ -35,6 +35,7 @@ from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_
 
 log = logging.getLogger("swarm.server")
 _RECOMPUTE = object()  # marks a backward whose kept graph could not be used
+REPLY_CACHE = 32  # recent accumulating calls remembered, to answer retries without applying them twice
 
 
 def probe_specs(cfg: SwarmConfig) -> tuple[TensorSpec, TensorSpec | None]:
@@ -69,9 +70,12 @@ class StageServer:
         self.busy_seconds = 0.0  # compute-thread time over the server's life
         self.started = time.time()
         self._fwd_queue: list[tuple[str, torch.Tensor, asyncio.Future]] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._replies: dict[str, Any] = {}  # request key -> reply, for recent calls that accumulated gradients
         self._batch_waits: dict[BatchGraph, dict[str, tuple[torch.Tensor, asyncio.Future]]] = {}
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
+        self._saw_trainers = False
         self._announced_pending = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -181,17 +185,26 @@ class StageServer:
 
     async def _compute(self, fn, *args):
         self._queued += 1
+        acquired = False
         try:
             async with self._gate:
                 self._queued -= 1
+                acquired = True
                 return await self._run_timed(fn, *args)
         finally:
-            self._queued = max(0, self._queued)
+            if not acquired:
+                self._queued -= 1
 
     async def _run_timed(self, fn, *args):
+        """Run on the compute thread. Shielded: a cancelled caller must not release the gate while
+        the thread still works (a step could then read gradients half accumulated)."""
         start = time.perf_counter()
+        job = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait([job])
+            raise
         finally:
             elapsed = time.perf_counter() - start
             self._window_busy += elapsed
@@ -216,7 +229,8 @@ class StageServer:
                 except Exception as e:
                     log.exception("forward batch failed")
                     for _, _, fut in batch:
-                        fut.set_exception(RuntimeError(f"forward failed: {e}"))
+                        if not fut.done():
+                            fut.set_exception(RuntimeError(f"forward failed: {e}"))
                     continue
                 for (_, _, fut), y in zip(batch, outputs, strict=True):
                     if not fut.done():
@@ -271,9 +285,10 @@ class StageServer:
         key = self._admit(meta, caller)
         x, targets = self._check_forward(tensors)
         if targets is not None:
+            if key in self._replies:  # a retry of a call whose reply was lost: do not accumulate twice
+                return self._replies[key]
             loss, grad = await self._compute(self.runtime.forward_backward_last, x, targets)
-            self._backward_done(x.shape[0])
-            return {"epoch": self.runtime.epoch, "loss": loss}, [] if grad is None else [grad]
+            return self._backward_done(key, x.shape[0], {"loss": loss}, grad)
         fut = asyncio.get_running_loop().create_future()
         self._fwd_queue.append((key, x, fut))
         self._queued += 1
@@ -283,14 +298,15 @@ class StageServer:
     async def backward(self, meta, tensors, caller):
         key = self._admit(meta, caller)
         x, dy = self._check_backward(tensors)
+        if key in self._replies:  # a retry of a call whose reply was lost: do not accumulate twice
+            return self._replies[key]
         graph = self.runtime.live_graph(key)
         grad = _RECOMPUTE
         if graph is not None and graph.size > 1:
             grad = await self._batched_backward(graph, key, dy)
         if grad is _RECOMPUTE:
             grad = await self._compute(self.runtime.backward, key, x, dy)
-        self._backward_done(x.shape[0])
-        return {"epoch": self.runtime.epoch}, [] if grad is None else [grad]
+        return self._backward_done(key, x.shape[0], {}, grad)
 
     async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
         """Wait (briefly) for the other requests of this request's forward batch, then one backward for all.
@@ -302,12 +318,18 @@ class StageServer:
         future = asyncio.get_running_loop().create_future()
         waiting[key] = (dy, future)
         if len(waiting) == graph.size:
-            asyncio.create_task(self._run_batch_backward(graph))
+            self._spawn(self._run_batch_backward(graph))
         elif len(waiting) == 1:
             asyncio.get_running_loop().call_later(
-                self.cfg.server.batch_backward_wait, lambda: asyncio.create_task(self._run_batch_backward(graph))
+                self.cfg.server.batch_backward_wait, lambda: self._spawn(self._run_batch_backward(graph))
             )
         return await future
+
+    def _spawn(self, coro) -> None:
+        """Run a background task, holding a reference so it is neither collected nor silently lost."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _run_batch_backward(self, graph: BatchGraph) -> None:
         waiting = self._batch_waits.pop(graph, None)
@@ -321,15 +343,25 @@ class StageServer:
                 else:
                     results = await self._run_timed(self.runtime.backward_batch, graph, grads)
         except Exception as e:
-            for _, future in waiting.values():
-                future.set_exception(e)
-            return
+            log.exception("batched backward failed")
+            results = dict.fromkeys(grads, e)
         for key, (_, future) in waiting.items():
-            future.set_result(results[key])
+            if future.done():
+                continue
+            if isinstance(results[key], Exception):
+                future.set_exception(results[key])
+            else:
+                future.set_result(results[key])
 
-    def _backward_done(self, samples: int) -> None:
+    def _backward_done(self, key: str, samples: int, meta: dict[str, Any], grad: torch.Tensor | None):
+        """Record a call that accumulated gradients, so that a retry of it is answered, not applied twice."""
+        reply = {"epoch": self.runtime.epoch, **meta}, [] if grad is None else [grad]
+        self._replies[key] = reply
+        while len(self._replies) > REPLY_CACHE:
+            del self._replies[next(iter(self._replies))]
         self._window_samples += samples
         self._wake.set()  # the stage may have just reached its batch size
+        return reply
 
     async def state(self, meta, tensors, caller):
         return await self._compute(self.runtime.state)
@@ -361,6 +393,8 @@ class StageServer:
                     continue
                 await self._step_round(self.runtime.epoch, group)
                 failures = 0
+            except WeightsDiverged as e:
+                await self._resolve_divergence(e)
             except RoundFailed as e:
                 failures += 1
                 self.counters["failed_rounds"] += 1
@@ -402,12 +436,25 @@ class StageServer:
             return None
         return expected_group(self.peer_id, peers)
 
+    async def _resolve_divergence(self, error: WeightsDiverged) -> None:
+        """Replicas at one epoch hold different weights (they once stepped without each other): the
+        replica with the smallest peer id keeps its weights and the others take them."""
+        keeper = min(error.group)
+        log.warning("stage %d replicas diverged at epoch %d (%s); %s", self.stage, self.runtime.epoch, error,
+                    "keeping ours" if keeper == self.peer_id else f"taking the weights of {short(keeper)}")
+        if keeper != self.peer_id:
+            view = [r for r in await self.directory.stage(self.stage) if r.peer_id == keeper]
+            await self._download_state(view, force=True)
+
     async def _run_is_over(self, peers: dict[str, int]) -> bool:
         """All trainers finished: flush what the stage still holds, so no completed sample is left out."""
         if self.runtime.pending_samples + sum(peers.values()) == 0:
             return False
         trainers = await self.directory.trainers()
-        return bool(trainers) and all(t.done for t in trainers)
+        if trainers:
+            self._saw_trainers = True
+        # all done, or all gone (killed trainers never say done; their records just expire)
+        return all(t.done for t in trainers) if trainers else self._saw_trainers
 
     async def _step_round(self, epoch: int, group: tuple[str, ...]) -> None:
         async with self._gate:
@@ -417,7 +464,7 @@ class StageServer:
             samples = self.runtime.pending_samples
             flat = await self._run_timed(self.runtime.flat_grad)
             if len(group) > 1:
-                mean, total = await self.allreduce.run(epoch, group, flat, samples)
+                mean, total = await self.allreduce.run(epoch, group, flat, samples, self.runtime.last_digest)
             else:
                 mean, total = flat / max(samples, 1), samples
             record = await self._run_timed(self.runtime.apply_step, mean, total, len(group))
@@ -430,7 +477,7 @@ class StageServer:
 
     # ---- catching up -------------------------------------------------------------------------
 
-    async def _download_state(self, candidates: list[ServerRecord]) -> None:
+    async def _download_state(self, candidates: list[ServerRecord], force: bool = False) -> None:
         """Load parameters and optimizer state from the most advanced replica that answers."""
         for source in sorted(candidates, key=lambda r: -r.epoch):
             try:
@@ -441,10 +488,14 @@ class StageServer:
                 log.warning("state download from %s failed: %s", short(source.peer_id), e)
                 continue
             async with self._gate:
-                if meta["epoch"] <= self.runtime.epoch:
+                if int(meta.get("epoch", -1)) < self.runtime.epoch + (0 if force else 1):
                     return
                 lost = self.runtime.pending_samples
-                await self._run_timed(self.runtime.load_state, meta, tensors)
+                try:
+                    await self._run_timed(self.runtime.load_state, meta, tensors)
+                except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                    log.warning("state from %s is unusable: %s", short(source.peer_id), e)
+                    continue
             self.counters["catch_ups"] += 1
             self.counters["lost_samples"] += lost
             log.info(

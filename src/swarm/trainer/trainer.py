@@ -97,7 +97,7 @@ class Trainer:
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), slots.release()))
             if running:
-                await asyncio.gather(*running, return_exceptions=True)
+                await asyncio.gather(*running)
             refresher.cancel()
             await self._announce(done=True)
             log.info("trainer %s done: %d samples, %d microbatches failed, %d retries",
@@ -130,6 +130,10 @@ class Trainer:
             self.failed += 1
             log.warning("microbatch %s given up: %s", req, e)
             return
+        except Exception:
+            self.failed += 1
+            log.exception("microbatch %s crashed", req)
+            return
         self.completed.append(Completed(time.time(), inputs.shape[0], loss, epoch))
 
     # ---- calling a stage, with stochastic wiring and retries -----------------------------------
@@ -145,10 +149,19 @@ class Trainer:
         return choose_server(candidates, self.rng, self.bans.banned(now))
 
     async def _call(self, stage: int, method: str, req: str, tensors, prefer: str | None = None):
+        """Call `method` of some server of `stage`, retrying elsewhere on failure.
+
+        A call that failed without timing out (the connection broke) is first repeated on the same
+        server with the same request id: the server may have applied it already, and only that
+        server can tell a repeat from a new request.
+        """
         meta = {"req": req, "stage": stage, "config": self.hash}
+        repeat: str | None = None
         for attempt in range(self.tc.max_attempts):
-            peer = self._pick(stage, prefer)
+            peer = repeat or self._pick(stage, prefer)
             while peer is None:
+                if self.stop.is_set():
+                    raise MicrobatchFailed(f"stopped while waiting for a server of stage {stage}")
                 await self._wait_for_server(stage)
                 peer = self._pick(stage, prefer)
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
@@ -159,9 +172,13 @@ class Trainer:
                 if e.refused:
                     raise MicrobatchFailed(f"stage {stage} refused the request: {e}") from e
                 self.retries += 1
-                self.bans.ban(peer, time.monotonic())
-                log.info("stage %d %s on %s failed (%s); retrying elsewhere", stage, method, short(peer), e)
-                prefer = None
+                if not e.timed_out and repeat is None:
+                    repeat = peer
+                    log.info("stage %d %s on %s failed (%s); repeating it there", stage, method, short(peer), e)
+                else:
+                    repeat, prefer = None, None
+                    self.bans.ban(peer, time.monotonic())
+                    log.info("stage %d %s on %s failed (%s); retrying elsewhere", stage, method, short(peer), e)
                 await asyncio.sleep(backoff_delay(attempt, 0.05, 2.0, self.rng))
                 continue
             finally:
