@@ -43,8 +43,17 @@ def _fields_from(cls: type, value: Any) -> dict[str, Any]:
     return out
 
 
+class _Record:
+    """A DHT value keyed by the publishing peer's id (the subkey), so the id is not repeated inside."""
+
+    def to_value(self) -> dict[str, Any]:
+        value = dataclasses.asdict(self)
+        del value["peer_id"]
+        return value
+
+
 @dataclass(frozen=True)
-class ServerRecord:
+class ServerRecord(_Record):
     """A stage server's announcement: enough to route to it and to coordinate its stage's steps."""
 
     peer_id: str
@@ -57,11 +66,6 @@ class ServerRecord:
     model: dict  # the model config, so a mismatch can be explained field by field
     gone: bool = False  # tombstone written on graceful exit
 
-    def to_value(self) -> dict[str, Any]:
-        value = dataclasses.asdict(self)
-        del value["peer_id"]
-        return value
-
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> ServerRecord:
         fields = _fields_from(cls, value)
@@ -71,7 +75,7 @@ class ServerRecord:
 
 
 @dataclass(frozen=True)
-class TrainerRecord:
+class TrainerRecord(_Record):
     """A trainer's progress, read by servers (to know when the run's last samples are in) and launchers."""
 
     peer_id: str
@@ -79,11 +83,6 @@ class TrainerRecord:
     failed: int  # microbatches given up after all retries
     loss: float  # recent mean loss
     done: bool  # the trainer has stopped sending work and drained what it had in flight
-
-    def to_value(self) -> dict[str, Any]:
-        value = dataclasses.asdict(self)
-        del value["peer_id"]
-        return value
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> TrainerRecord:
