@@ -88,3 +88,42 @@ def test_swarm_survives_a_server_killed_mid_run(tmp_path):
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
     _assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_late_server_loads_the_stage_state_and_joins_its_steps(tmp_path):
+    cfg = small_config(tmp_path, "trainer.target_steps=12")
+    swarm = LocalSwarm(cfg)
+    late = []
+
+    def add_late_server(status) -> None:
+        # freeze the trainers while the newcomer starts, so the run cannot end before it joins
+        if not late and status.min_epoch >= 3:
+            for trainer in swarm.trainers():
+                trainer.signal(signal.SIGSTOP)
+            late.append(swarm.add_server(1))
+        elif late and len(status.epochs.get(1, [])) == 3:
+            for trainer in swarm.trainers():
+                trainer.signal(signal.SIGCONT)
+
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False, on_status=add_late_server)
+        _assert_states_equal(cfg, swarm)
+    finally:
+        swarm.stop()
+    summary = write_report(tmp_path)
+
+    assert late, "the run ended before the late server could be added"
+    assert not tracebacks(tmp_path)
+    stage1 = summary["stages"]["1"]
+    assert len(stage1["replicas"]) == 3
+    newcomer = max(stage1["replicas"], key=lambda r: r["catch_ups"])
+    assert newcomer["catch_ups"] >= 1  # it downloaded parameters and optimizer state before serving
+    assert len({r["digest"] for r in stage1["replicas"]}) == 1
+    late_log = late[0].log_path.read_text()
+    assert "loaded epoch" in late_log
+    assert "from 3 replica(s)" in late_log  # it took part in the stage's all-reduce afterwards
+    for info in summary["stages"].values():
+        assert info["samples_stepped"] == summary["samples_completed"]
+    _assert_replicas_in_step(summary, tmp_path)

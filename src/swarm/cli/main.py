@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except ConnectionError as e:
+        print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -76,6 +76,7 @@ class StageServer:
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
         self._saw_trainers = False
+        self._peers_at_epoch: tuple[int, set[str]] = (-1, set())  # other replicas last seen at our epoch
         self._announced_pending = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -370,8 +371,11 @@ class StageServer:
         return await self.allreduce.contribute(meta, tensors, caller)
 
     def _on_wake(self, epoch: int, group: tuple[str, ...]) -> bool:
-        """A groupmate began the round for our epoch: join it, with the group it proposed."""
+        """A groupmate began the round for our epoch: join it, with the group it proposed, unless that
+        group leaves out a replica we know is at this epoch (its samples would be dropped later)."""
         if epoch != self.runtime.epoch or self.peer_id not in group:
+            return False
+        if self._peers_at_epoch[0] == epoch and not self._peers_at_epoch[1] <= set(group):
             return False
         self._proposal = (epoch, group)
         self._wake.set()
@@ -426,6 +430,7 @@ class StageServer:
             await self._download_state(ahead)
             return None
         peers = {r.peer_id: r.pending for r in view if r.epoch == epoch}
+        self._peers_at_epoch = (epoch, set(peers))
         if not (stage_ready(self.runtime.pending_samples, peers, self.cfg.optim.target_batch_size)
                 or await self._run_is_over(peers)):
             return None

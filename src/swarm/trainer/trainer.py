@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.config import SwarmConfig, config_hash
+from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
 from swarm.core import BanList, Candidate, backoff_delay, choose_server
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
@@ -84,8 +84,9 @@ class Trainer:
             self.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
                      short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
-            refresher = asyncio.create_task(self._refresh_loop())
             await self._refresh()
+            self._check_config()
+            refresher = asyncio.create_task(self._refresh_loop())
             slots = asyncio.Semaphore(self.tc.max_inflight)
             running: set[asyncio.Task] = set()
             while not self._finished():
@@ -210,7 +211,8 @@ class Trainer:
                 if r.config_hash != self.hash:
                     if r.peer_id not in self._mismatch_logged:
                         self._mismatch_logged.add(r.peer_id)
-                        log.warning("ignoring server %s: different model config", short(r.peer_id))
+                        log.warning("ignoring server %s: different model config (%s)", short(r.peer_id),
+                                    describe_mismatch(model_fingerprint(self.cfg.model), r.model))
                     continue
                 usable.append(r)
                 self.stage_epoch[stage] = max(self.stage_epoch[stage], r.epoch)
@@ -218,6 +220,14 @@ class Trainer:
                 self._waiting_logged.discard(stage)
                 log.info("stage %d has %d server(s) again", stage, len(usable))
             self.view[stage] = usable
+
+    def _check_config(self) -> None:
+        """Refuse to start against a swarm whose servers all run another model config."""
+        if self._mismatch_logged and not any(self.view.values()):
+            raise ConfigMismatch(
+                "every server of this run uses a different model config (see the lines above); "
+                "use the swarm's model section, or another net.run_id"
+            )
 
     async def _refresh_loop(self) -> None:
         while True:
