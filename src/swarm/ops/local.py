@@ -39,6 +39,10 @@ class Peer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def log_tail(self, lines: int = 15) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        return "\n".join(text[-lines:])
+
     def signal(self, sig: int) -> None:
         """Signal the peer's whole process group; a peer already gone is not an error."""
         try:
@@ -134,7 +138,7 @@ class LocalSwarm:
         deadline = time.monotonic() + timeout
         while not condition():
             if peer is not None and not peer.alive():
-                raise RuntimeError(f"{what} exited early; see {peer.log_path}")
+                raise RuntimeError(f"{what} exited early; {peer.log_path} ends with:\n{peer.log_tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} did not come up within {timeout:.0f}s")
             time.sleep(0.1)
@@ -181,7 +185,8 @@ class LocalSwarm:
                 )
                 for p in self.trainers():
                     if p.process.poll() not in (None, 0):
-                        raise RuntimeError(f"{p.name} failed (exit code {p.process.returncode}); see {p.log_path}")
+                        code, tail = p.process.returncode, p.log_tail()
+                        raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
                 trainers_over = all(not p.alive() for p in self.trainers())
                 stages_even = all(len(set(e)) == 1 for e in status.epochs.values() if e)
                 if trainers_over and status.pending == 0 and stages_even:
