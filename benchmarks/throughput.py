@@ -26,9 +26,9 @@ from swarm.net.protocol import encode
 from swarm.ops.run import run_local
 
 COMPUTE_BOUND = [
-    "model.d_model=256", "model.n_heads=4", "model.d_ff=1024", "model.n_layers=4", "model.seq_len=256",
-    "model.num_stages=2", "optim.target_batch_size=32", "optim.warmup_steps=2",
-    "trainer.microbatch_size=8", "trainer.max_inflight=4",
+    "model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "model.seq_len=256",
+    "model.num_stages=2", "optim.target_batch_size=128", "optim.warmup_steps=2",
+    "trainer.microbatch_size=8", "trainer.max_inflight=8",
     "local.servers_per_stage=1", "local.trainers=1", "local.threads_per_peer=1",
 ]
 
