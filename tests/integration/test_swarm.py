@@ -35,19 +35,23 @@ def _assert_states_equal(cfg, swarm: LocalSwarm) -> None:
             assert worst <= 1e-6, f"stage {stage} replicas differ by {worst}"
 
 
+def _run(swarm: LocalSwarm, on_status=None) -> dict:
+    """Run the swarm to the end, check replicas' final states while they are up, and report."""
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False, on_status=on_status)
+        _assert_states_equal(swarm.cfg, swarm)
+    finally:
+        swarm.stop()
+    assert not tracebacks(swarm.run_dir)
+    return write_report(swarm.run_dir)
+
+
 @pytest.mark.timeout(300)
 def test_swarm_trains_and_stages_stay_identical(tmp_path):
     cfg = small_config(tmp_path)
-    swarm = LocalSwarm(cfg)
-    try:
-        swarm.start()
-        swarm.wait_until_done(progress=False)
-        _assert_states_equal(cfg, swarm)
-    finally:
-        swarm.stop()
-    summary = write_report(tmp_path)
+    summary = _run(LocalSwarm(cfg))
 
-    assert not tracebacks(tmp_path)
     assert summary["microbatches_failed"] == 0
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
     for stage, info in summary["stages"].items():
@@ -73,17 +77,10 @@ def test_swarm_survives_a_server_killed_mid_run(tmp_path):
             victim.signal(signal.SIGKILL)  # the whole group: main process, DHT child and p2pd
             killed.append(victim)
 
-    try:
-        swarm.start()
-        swarm.wait_until_done(progress=False, on_status=kill_once)
-        _assert_states_equal(cfg, swarm)
-    finally:
-        swarm.stop()
-    summary = write_report(tmp_path)
+    summary = _run(swarm, kill_once)
 
     assert killed, "the run ended before the fault could be injected"
     assert killed[0].process.returncode == -signal.SIGKILL
-    assert not tracebacks(tmp_path)
     for stage, info in summary["stages"].items():
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
@@ -106,16 +103,9 @@ def test_a_late_server_loads_the_stage_state_and_joins_its_steps(tmp_path):
             for trainer in swarm.trainers():
                 trainer.signal(signal.SIGCONT)
 
-    try:
-        swarm.start()
-        swarm.wait_until_done(progress=False, on_status=add_late_server)
-        _assert_states_equal(cfg, swarm)
-    finally:
-        swarm.stop()
-    summary = write_report(tmp_path)
+    summary = _run(swarm, add_late_server)
 
     assert late, "the run ended before the late server could be added"
-    assert not tracebacks(tmp_path)
     stage1 = summary["stages"]["1"]
     assert len(stage1["replicas"]) == 3
     newcomer = max(stage1["replicas"], key=lambda r: r["catch_ups"])

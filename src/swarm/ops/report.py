@@ -47,12 +47,20 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "retries": sum(t["retries"] for t in trainers),
         "wall_seconds": (end - start) if start and end else None,
         "samples_per_second": samples / (end - start) if start and end and end > start else None,
+        # from the first completed microbatch on: excludes waiting for servers and filling the pipeline
+        "steady_samples_per_second": _steady_rate(completed),
         "first_loss": _mean([c[2] for c in completed[:20]]),
         "final_loss": _mean([c[2] for c in completed[-20:]]),
         "stages": {str(k): v for k, v in sorted(stages.items())},
         "_completed": completed,
         "_start": start,
     }
+
+
+def _steady_rate(completed: list) -> float | None:
+    if len(completed) < 2 or completed[-1][0] <= completed[0][0]:
+        return None
+    return sum(c[1] for c in completed[1:]) / (completed[-1][0] - completed[0][0])
 
 
 def _sum_dicts(dicts) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import signal
 import time
@@ -76,6 +77,7 @@ class StageServer:
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
         self._saw_trainers = False
+        self._alone_since = math.inf  # since when no other replica of the stage is in view
         self._peers_at_epoch: tuple[int, set[str]] = (-1, set())  # other replicas last seen at our epoch
         self._announced_pending = 0
 
@@ -416,7 +418,9 @@ class StageServer:
         A replica never steps on a partial view: a peer that looks one epoch behind is usually just
         late to announce the step it took with us, so we wait for it, and only leave it out once it
         has looked behind for longer than a few announcement periods (it is then catching up by
-        downloading state, and would refuse the round anyway).
+        downloading state, and would refuse the round anyway). Likewise a replica steps alone only
+        after it has seen no other replica for that long: a peer that started with it may not have
+        announced itself yet.
         """
         epoch = self.runtime.epoch
         if self._proposal is not None:
@@ -425,6 +429,10 @@ class StageServer:
             if proposed_epoch == epoch:
                 return group
         view = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
+        if view:
+            self._alone_since = math.inf
+        elif self._alone_since == math.inf:
+            self._alone_since = time.monotonic()
         ahead = [r for r in view if r.epoch > epoch]
         if ahead:
             await self._download_state(ahead)
@@ -438,6 +446,8 @@ class StageServer:
         behind = {r.peer_id for r in view if r.epoch < epoch}
         self._behind_since = {p: self._behind_since.get(p, now) for p in behind}
         if any(now - since < grace for since in self._behind_since.values()):
+            return None
+        if not view and now - self._alone_since < grace:
             return None
         return expected_group(self.peer_id, peers)
 
