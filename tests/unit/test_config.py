@@ -80,6 +80,9 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (["server.stage=3", "model.num_stages=3"], "server.stage"),
         (["model=3"], "model"),
         (["model.d_model"], "model.d_model"),
+        (['trainer.routing="nearest"'], "trainer.routing"),
+        (["server.merge_samples=-1"], "server.merge_samples"),
+        (['server.device="tpu"'], "server.device"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

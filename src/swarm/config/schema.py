@@ -152,6 +152,9 @@ class TrainerConfig:
 
     microbatch_size: int = 4
     max_inflight: int = 4  # microbatches in the pipeline at once
+    # how a server is picked per stage: "random" (throughput-weighted draws; keeps many trainers from
+    # herding onto one server) or "wrr" (smooth weighted round-robin; lower variance for a lone trainer)
+    routing: str = "random"
     target_steps: int = 20  # the run ends once every stage has taken this many optimizer steps
     # seconds before a call is abandoned and retried elsewhere; longer than net.allreduce_timeout, since
     # requests queue behind the stage's all-reduce
@@ -165,6 +168,7 @@ class TrainerConfig:
         for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers"):
             _require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
         _require(self.request_timeout > 0, "trainer.request_timeout", "must be positive")
+        _require(self.routing in ("random", "wrr"), "trainer.routing", f"must be random or wrr, got {self.routing!r}")
         _require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")
         _require(
             0 <= self.index < self.num_trainers,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
-from swarm.core import BanList, Candidate, backoff_delay, choose_server
+from swarm.core import BanList, Candidate, SmoothWeightedRoundRobin, backoff_delay, choose_server
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
 from swarm.net.node import start_dht
@@ -53,6 +53,7 @@ class Trainer:
         self.num_stages = cfg.model.num_stages
         self.rng = random.Random(cfg.data.seed * 7919 + self.tc.index)
         self.bans = BanList(self.tc.ban_seconds, self.tc.ban_seconds * 8)
+        self.round_robin = [SmoothWeightedRoundRobin() for _ in range(self.num_stages)]
         self.view: dict[int, list[ServerRecord]] = {k: [] for k in range(self.num_stages)}
         self.inflight: dict[str, int] = {}
         self.stage_epoch = [0] * self.num_stages
@@ -147,6 +148,8 @@ class Trainer:
         candidates = [
             Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0)) for r in live.values()
         ]
+        if self.tc.routing == "wrr":
+            return self.round_robin[stage].pick(candidates, self.bans.banned(now))
         return choose_server(candidates, self.rng, self.bans.banned(now))
 
     async def _call(self, stage: int, method: str, req: str, tensors, prefer: str | None = None):
