@@ -117,3 +117,28 @@ def test_a_late_server_loads_the_stage_state_and_joins_its_steps(tmp_path):
     for info in summary["stages"].values():
         assert info["samples_stepped"] == summary["samples_completed"]
     _assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    first = _run(LocalSwarm(small_config(tmp_path / "run1", "trainer.target_steps=6",
+                                         f'server.checkpoint_dir="{checkpoints}"', "server.checkpoint_every=2")))
+    stopped_at = {stage: info["steps"] for stage, info in first["stages"].items()}
+    assert sorted(p.name for p in checkpoints.glob("stage0-*.pt"))  # at most keep_checkpoints remain
+    assert len(list(checkpoints.glob("stage0-*.pt"))) <= 2
+
+    second_cfg = small_config(tmp_path / "run2", f"trainer.target_steps={max(stopped_at.values()) + 4}",
+                              f'server.checkpoint_dir="{checkpoints}"')
+    second = _run(LocalSwarm(second_cfg))
+
+    for stage, epoch in stopped_at.items():
+        for log in (tmp_path / "run2" / "logs").glob(f"server-s{stage}-*.log"):
+            assert f"resumed from checkpoint at epoch {epoch}" in log.read_text()
+        first_step = min(json.loads(p.read_text())["steps"][0]["epoch"]
+                         for p in (tmp_path / "run2" / "peers").glob(f"server-s{stage}-*.json"))
+        assert first_step == epoch + 1  # the step count continues
+    # the loss continues too: the restarted run starts no worse than where the first one ended (it keeps
+    # falling), far below a fresh start
+    assert second["first_loss"] < first["first_loss"] - 0.5
+    assert second["first_loss"] < first["final_loss"] + 0.2, (first, second)

@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--stage", type=int)
     p.add_argument("--device", help="cpu, cuda or cuda:N")
+    p.add_argument("--resume", metavar="DIR", help="checkpoint the stage into DIR, resuming from it if it holds one")
     p = sub.add_parser("trainer", help="feed microbatches through the swarm")
     _common(p)
     p.add_argument("--index", type=int, help="this trainer's data shard")
@@ -55,6 +56,7 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
         "data": ("data.path", lambda v: f'"{v}"'),
         "stage": ("server.stage", str),
         "device": ("server.device", lambda v: f'"{v}"'),
+        "resume": ("server.checkpoint_dir", lambda v: f'"{v}"'),
         "index": ("trainer.index", str),
         "num_trainers": ("trainer.num_trainers", str),
     }

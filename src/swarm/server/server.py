@@ -30,6 +30,7 @@ from swarm.net.directory import Directory, short
 from swarm.net.node import start_dht, visible_addresses
 from swarm.net.servicer import StageServicer
 from swarm.net.transport import CallFailed, StageClient
+from swarm.server.checkpoints import CheckpointStore
 from swarm.server.runtime import BatchGraph, StageRuntime, StepRecord
 from swarm.wire.records import ServerRecord
 from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_tensor
@@ -102,6 +103,10 @@ class StageServer:
         self.in_spec, self.out_spec = probe_specs(cfg)
         module = load_stages(cfg.model)[self.stage]
         self.runtime = StageRuntime(module, cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
+        self.checkpoints = (
+            CheckpointStore(cfg.server.checkpoint_dir, self.stage, cfg.server.keep_checkpoints)
+            if cfg.server.checkpoint_dir else None
+        )
 
         self.dht = start_dht(cfg.net)
         try:
@@ -114,6 +119,7 @@ class StageServer:
             )
             await self._check_configs()
             await StageServicer(self).add_p2p_handlers(p2p)
+            self._resume_from_disk()
             ahead = [r for r in await self.directory.stage(self.stage) if r.epoch > self.runtime.epoch]
             if ahead:
                 await self._download_state(ahead)
@@ -131,6 +137,8 @@ class StageServer:
             await asyncio.gather(*tasks, return_exceptions=True)
             async with self._gate:  # let the computation in progress finish
                 pass
+            if self.checkpoints is not None and self.steps:
+                await self._checkpoint()  # a restart continues exactly where this replica left off
             await self.directory.withdraw_server(self._record())
         finally:
             self._write_summary()
@@ -489,6 +497,23 @@ class StageServer:
             self.stage, record.epoch, record.samples, record.group, record.lr, record.grad_norm,
         )
         await self._announce()
+        if self.checkpoints is not None and record.epoch % self.cfg.server.checkpoint_every == 0:
+            await self._checkpoint()
+
+    async def _checkpoint(self) -> None:
+        meta, tensors = await self._compute(self.runtime.state)
+        path = await asyncio.get_running_loop().run_in_executor(None, self.checkpoints.save, meta, tensors)
+        log.info("stage %d checkpoint at epoch %d: %s", self.stage, meta["epoch"], path)
+
+    def _resume_from_disk(self) -> None:
+        if self.checkpoints is None:
+            return
+        found = self.checkpoints.latest()
+        if found is None:
+            return
+        meta, tensors = found
+        self.runtime.load_state(meta, tensors)
+        log.info("stage %d resumed from checkpoint at epoch %d", self.stage, self.runtime.epoch)
 
     # ---- catching up -------------------------------------------------------------------------
 
