@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 
 import pytest
@@ -142,3 +144,27 @@ def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
     # falling), far below a fresh start
     assert second["first_loss"] < first["first_loss"] - 0.5
     assert second["first_loss"] < first["final_loss"] + 0.2, (first, second)
+
+
+@pytest.mark.timeout(300)
+def test_a_server_sent_sigterm_leaves_cleanly_and_the_run_goes_on(tmp_path):
+    cfg = small_config(tmp_path, "trainer.target_steps=12")
+    swarm = LocalSwarm(cfg)
+    leaving = []
+
+    def terminate_once(status) -> None:
+        if not leaving and status.min_epoch >= 3:
+            leaving.append(swarm.servers(stage=0)[0])
+            os.kill(leaving[0].process.pid, signal.SIGTERM)
+
+    summary = _run(swarm, terminate_once)
+
+    assert leaving, "the run ended before the server could be stopped"
+    assert leaving[0].process.returncode == 0
+    log = leaving[0].log_path.read_text()
+    left = re.search(r"left after ([\d.]+)s", log)
+    assert left and float(left.group(1)) <= cfg.server.leave_timeout + 1
+    assert summary["microbatches_failed"] == 0
+    for stage, info in summary["stages"].items():
+        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+    _assert_replicas_in_step(summary, tmp_path)

@@ -108,8 +108,10 @@ class StageAllReduce:
             asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples, digest))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
+        gathered = asyncio.gather(*tasks)
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
-            results = await asyncio.wait_for(asyncio.gather(*tasks), self.timeout)
+            results = await asyncio.wait_for(gathered, self.timeout)
         except (TimeoutError, CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e

@@ -131,6 +131,7 @@ class ServerConfig:
     merge_samples: int = 0
     graph_ttl: float = 120.0  # seconds a kept forward graph waits for its backward
     batch_backward_wait: float = 1.0  # seconds a batched forward's graph waits for all its requests' gradients
+    leave_timeout: float = 10.0  # seconds a leaving server spends finishing the work it accepted
     checkpoint_dir: str | None = None  # where the stage is checkpointed, and resumed from on start
     checkpoint_every: int = 10  # optimizer steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept per stage
@@ -147,6 +148,7 @@ class ServerConfig:
         _require(self.max_request_samples > 0, "server.max_request_samples", "must be positive")
         _require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")
         _require(self.batch_backward_wait >= 0, "server.batch_backward_wait", "must be >= 0")
+        _require(self.leave_timeout >= 0, "server.leave_timeout", "must be >= 0")
         _require(self.checkpoint_every > 0, "server.checkpoint_every", "must be positive")
         _require(self.keep_checkpoints > 0, "server.keep_checkpoints", "must be positive")
 

@@ -17,7 +17,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.net.protocol import decode, encode
-from swarm.wire.validate import BadRequest
+from swarm.wire.validate import BadRequest, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class StageServicer(ServicerBase):
         except BadRequest as e:
             self.handler.refused(handler.__name__, caller, e)
             reply = {"error": str(e), "refused": True}, []
+        except Unavailable as e:
+            reply = {"error": str(e), "refused": False}, []
         except Exception as e:
             log.exception("handler %s failed", getattr(handler, "__name__", handler))
             reply = {"error": f"{type(e).__name__}: {e}", "refused": False}, []

@@ -33,7 +33,7 @@ from swarm.net.transport import CallFailed, StageClient
 from swarm.server.checkpoints import CheckpointStore
 from swarm.server.runtime import BatchGraph, StageRuntime, StepRecord
 from swarm.wire.records import ServerRecord
-from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_tensor
+from swarm.wire.validate import BadRequest, TensorSpec, Unavailable, check_same_batch, check_tensor
 
 log = logging.getLogger("swarm.server")
 _RECOMPUTE = object()  # marks a backward whose kept graph could not be used
@@ -131,19 +131,39 @@ class StageServer:
             await self._announce()
             tasks = [asyncio.create_task(t) for t in (self._announce_loop(), self._step_loop(), self._batch_loop())]
             await self.stop.wait()
-            log.info("stage %d server %s leaving", self.stage, short(self.peer_id))
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            async with self._gate:  # let the computation in progress finish
-                pass
-            if self.checkpoints is not None and self.steps:
-                await self._checkpoint()  # a restart continues exactly where this replica left off
-            await self.directory.withdraw_server(self._record())
+            await self._leave(tasks)
         finally:
             self._write_summary()
             self._executor.shutdown(wait=True)
             self.dht.shutdown()
+
+    async def _leave(self, tasks: list[asyncio.Task]) -> None:
+        """Stop taking work, withdraw from the DHT, finish what was accepted, then go (bounded in time).
+
+        New requests are already answered "shutting down" (trainers retry them elsewhere). Gradients
+        this replica holds but has not stepped leave with it; `lost_samples` in the summary counts them.
+        """
+        started = time.monotonic()
+        log.info("stage %d server %s leaving", self.stage, short(self.peer_id))
+        announcer, stepper, batcher = tasks
+        announcer.cancel()
+        async with self._gate:  # a round in progress holds the gate: it finishes for the whole stage first
+            stepper.cancel()
+        await asyncio.gather(announcer, stepper, return_exceptions=True)
+        await self.directory.withdraw_server(self._record())
+        deadline = started + self.cfg.server.leave_timeout
+        while (self._fwd_queue or self._queued > 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        batcher.cancel()
+        await asyncio.gather(batcher, return_exceptions=True)
+        async with self._gate:  # let the computation in progress finish
+            pass
+        if self.checkpoints is not None and self.steps:
+            await self._checkpoint()  # a restart continues exactly where this replica left off
+        self.counters["lost_samples"] += self.runtime.pending_samples
+        log.info("stage %d server %s left after %.1fs%s", self.stage, short(self.peer_id),
+                 time.monotonic() - started,
+                 f", dropping {self.runtime.pending_samples} unstepped samples" if self.runtime.pending_samples else "")
 
     async def _check_configs(self) -> None:
         for records in (await self.directory.stages(self.cfg.model.num_stages)).values():
@@ -251,7 +271,7 @@ class StageServer:
 
     def _admit(self, meta: dict[str, Any], caller: str) -> str:
         if self.stop.is_set():
-            raise RuntimeError("server is shutting down")
+            raise Unavailable("server is shutting down")
         if meta.get("config") != self.hash:
             raise BadRequest(f"model config hash {meta.get('config')!r} differs from this server's {self.hash}")
         if meta.get("stage") != self.stage:

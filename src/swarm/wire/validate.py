@@ -19,6 +19,10 @@ class BadRequest(ValueError):
         return f"refused: {super().__str__()}"
 
 
+class Unavailable(RuntimeError):
+    """The server cannot take this request now (it is leaving); the caller should go elsewhere."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     dtype: torch.dtype
