@@ -55,7 +55,6 @@ class Peer:
 class SwarmStatus:
     epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
     pending: int = 0  # samples accumulated but not yet stepped, over all servers
-    trainers_done: int = 0
     trainer_samples: int = 0
     loss: float = float("nan")
 
@@ -151,7 +150,6 @@ class LocalSwarm:
             status.epochs[stage] = sorted(r.epoch for r in records)
             status.pending += sum(r.pending for r in records)
         trainers = await directory.trainers()
-        status.trainers_done = sum(t.done for t in trainers)
         status.trainer_samples = sum(t.completed for t in trainers)
         losses = [t.loss for t in trainers if t.loss == t.loss]
         status.loss = sum(losses) / len(losses) if losses else float("nan")

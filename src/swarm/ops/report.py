@@ -19,21 +19,18 @@ def collect(run_dir: Path) -> dict[str, Any]:
     trainers = [p for p in peers if p["role"] == "trainer"]
     completed = sorted((c for t in trainers for c in t["completed"]), key=lambda c: c[0])
     stages: dict[int, dict[str, Any]] = {}
+    step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
     for s in servers:
-        st = stages.setdefault(s["stage"], {"replicas": [], "samples_stepped": 0, "steps": 0})
+        st = stages.setdefault(s["stage"], {"replicas": []})
         st["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
                                "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
                                "catch_ups", "lost_samples")}
         )
-        if s["steps"] and (s["epoch"] >= st["steps"]):
-            # every replica logs the whole stage's sample count per step; take the most complete log
-            by_epoch = {step["epoch"]: step["samples"] for step in s["steps"]}
-            st.setdefault("_logs", []).append(by_epoch)
-    for st in stages.values():
-        merged: dict[int, int] = {}
-        for by_epoch in st.pop("_logs", []):
-            merged.update(by_epoch)
+        # every replica logs the whole stage's sample count for the steps it took part in
+        step_samples.setdefault(s["stage"], {}).update({step["epoch"]: step["samples"] for step in s["steps"]})
+    for stage, st in stages.items():
+        merged = step_samples[stage]
         st["steps"] = max(merged, default=0)
         st["samples_stepped"] = sum(merged.values())
         st["samples_by_step"] = [merged.get(e, 0) for e in range(1, st["steps"] + 1)]

@@ -40,9 +40,8 @@ _RECOMPUTE = object()  # marks a backward whose kept graph could not be used
 REPLY_CACHE = 32  # recent accumulating calls remembered, to answer retries without applying them twice
 
 
-def probe_specs(cfg: SwarmConfig) -> tuple[TensorSpec, TensorSpec | None]:
+def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module]) -> tuple[TensorSpec, TensorSpec | None]:
     """What this stage accepts and emits, found by pushing one sample through the stages before it."""
-    stages = load_stages(cfg.model)
     k, seq = cfg.server.stage, cfg.model.seq_len
     ids_spec = TensorSpec(torch.int64, (seq,), max_value=cfg.model.vocab_size)
     x = torch.zeros(1, seq, dtype=torch.int64)
@@ -100,8 +99,10 @@ class StageServer:
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
 
-        self.in_spec, self.out_spec = probe_specs(cfg)
-        module = load_stages(cfg.model)[self.stage]
+        stages = load_stages(cfg.model)
+        self.in_spec, self.out_spec = probe_specs(cfg, stages)
+        module = stages[self.stage]
+        del stages  # only this stage's weights stay in memory
         self.runtime = StageRuntime(module, cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
         self.checkpoints = (
             CheckpointStore(cfg.server.checkpoint_dir, self.stage, cfg.server.keep_checkpoints)
