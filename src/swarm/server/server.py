@@ -40,6 +40,16 @@ _RECOMPUTE = object()  # marks a backward whose kept graph could not be used
 REPLY_CACHE = 32  # recent accumulating calls remembered, to answer retries without applying them twice
 
 
+def _ignore_cancelled_stream_handlers(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Python 3.11's stream-server callback calls `task.exception()` on a cancelled handler task (fixed
+    in 3.12), so every RPC stream still open when a server leaves would print a CancelledError
+    traceback. Those cancellations are the intended end of the stream; everything else is reported."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        log.debug("stream handler cancelled at shutdown: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
+
+
 def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module]) -> tuple[TensorSpec, TensorSpec | None]:
     """What this stage accepts and emits, found by pushing one sample through the stages before it."""
     k, seq = cfg.server.stage, cfg.model.seq_len
@@ -94,6 +104,7 @@ class StageServer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stop.set)
+        loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self._gate = asyncio.Lock()
         self._fwd_ready = asyncio.Event()
         self._wake = asyncio.Event()
