@@ -50,17 +50,25 @@ class StageClient:
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
             return await decode(stream, REPLY_LIMIT_BYTES)
 
-        try:
-            reply, tensors = await asyncio.wait_for(exchange(), timeout)
-        except TimeoutError as e:
-            raise CallFailed(f"{method} timed out after {timeout:.1f}s", timed_out=True) from e
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise CallFailed(f"{method} failed: {type(e).__name__}: {e}") from e
+        # A libp2p stream occasionally ends before the reply (seen under load on loopback). Every call
+        # of the protocol is safe to repeat (servers answer a repeated accumulating call from a cache,
+        # reduce contributions are idempotent), so a broken stream is retried once within the deadline.
+        deadline = asyncio.get_running_loop().time() + timeout
+        for attempt in range(2):
+            try:
+                reply, received = await asyncio.wait_for(exchange(), deadline - asyncio.get_running_loop().time())
+                break
+            except TimeoutError as e:
+                raise CallFailed(f"{method} timed out after {timeout:.1f}s", timed_out=True) from e
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if attempt == 0 and asyncio.get_running_loop().time() < deadline:
+                    continue
+                raise CallFailed(f"{method} failed: {type(e).__name__}: {e}") from e
         if "error" in reply:
             raise CallFailed(str(reply["error"]), refused=bool(reply.get("refused")))
-        return reply, tensors
+        return reply, received
 
 
 
