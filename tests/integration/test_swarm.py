@@ -37,6 +37,18 @@ def _assert_states_equal(cfg, swarm: LocalSwarm) -> None:
             assert worst <= 1e-6, f"stage {stage} replicas differ by {worst}"
 
 
+def _assert_exactly_once(summary: dict) -> None:
+    """Every completed microbatch entered exactly one step of every stage, and nothing else did; every
+    step of every stage is accounted for, and its replicas agree on what it took in."""
+    assert summary["unresolved"] == 0, summary
+    for stage, info in summary["stages"].items():
+        delivery = info["delivery"]
+        assert delivery["steps_seen"] == info["steps"], (stage, delivery)
+        assert delivery == {"steps_seen": info["steps"], "conflicting_steps": 0, "duplicated": 0, "missing": 0,
+                            "not_completed": 0}, (stage, delivery)
+        assert info["samples_stepped"] == summary["samples_completed"], (stage, info)
+
+
 def _run(swarm: LocalSwarm, on_status=None) -> dict:
     """Run the swarm to the end, check replicas' final states while they are up, and report."""
     try:
@@ -60,9 +72,9 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
         assert len(info["replicas"]) == 2
         assert len({r["digest"] for r in info["replicas"]}) == 1
-        # every completed sample entered exactly one step of every stage
-        assert info["samples_stepped"] == summary["samples_completed"], (stage, info)
         assert sum(r["lost_samples"] for r in info["replicas"]) == 0
+    _assert_exactly_once(summary)
+    assert summary["replays"] == 0
     _assert_replicas_in_step(summary, tmp_path)
     assert (tmp_path / "loss.png").exists() and (tmp_path / "throughput.png").exists()
 
@@ -86,6 +98,7 @@ def test_swarm_survives_a_server_killed_mid_run(tmp_path):
     for stage, info in summary["stages"].items():
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
     assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
+    _assert_exactly_once(summary)
     _assert_replicas_in_step(summary, tmp_path)
 
 
@@ -116,8 +129,7 @@ def test_a_late_server_loads_the_stage_state_and_joins_its_steps(tmp_path):
     late_log = late[0].log_path.read_text()
     assert "loaded epoch" in late_log
     assert "from 3 replica(s)" in late_log  # it took part in the stage's all-reduce afterwards
-    for info in summary["stages"].values():
-        assert info["samples_stepped"] == summary["samples_completed"]
+    _assert_exactly_once(summary)
     _assert_replicas_in_step(summary, tmp_path)
 
 
@@ -167,4 +179,5 @@ def test_a_server_sent_sigterm_leaves_cleanly_and_the_run_goes_on(tmp_path):
     assert summary["microbatches_failed"] == 0
     for stage, info in summary["stages"].items():
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+    _assert_exactly_once(summary)
     _assert_replicas_in_step(summary, tmp_path)

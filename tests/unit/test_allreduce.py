@@ -4,13 +4,14 @@ member, late owners are woken by contributions, and any disagreement fails the r
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from swarm.averaging.allreduce import RoundFailed, StageAllReduce, part_bounds
+from swarm.averaging.allreduce import RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
 from swarm.net.transport import CallFailed
 from swarm.wire.validate import BadRequest
 
@@ -75,15 +76,15 @@ def run_all(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 def assert_exact_mean(
-    results: Sequence[tuple[torch.Tensor, int]], flat: dict[str, torch.Tensor], samples: dict[str, int]
+    results: Sequence[RoundResult], flat: dict[str, torch.Tensor], samples: dict[str, int]
 ) -> None:
     total = sum(samples.values())
     expected = torch.stack(list(flat.values())).sum(0) / total
-    first, _ = results[0]
-    for mean, count in results:
-        assert count == total
-        assert mean.dtype == torch.float32 and mean.shape == expected.shape
-        assert torch.equal(mean, first)  # the same bits on every member
+    first = results[0].mean
+    for result in results:
+        assert result.samples == total
+        assert result.mean.dtype == torch.float32 and result.mean.shape == expected.shape
+        assert torch.equal(result.mean, first)  # the same bits on every member
     torch.testing.assert_close(first, expected, rtol=1e-6, atol=1e-7)
 
 
@@ -99,7 +100,7 @@ def test_every_member_gets_the_same_exact_mean(numel: int) -> None:
     flat = grads(samples, numel)
     members = make_members(ids)
 
-    async def main() -> list[tuple[torch.Tensor, int]]:
+    async def main() -> list[RoundResult]:
         return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
 
     results = run_all(main())
@@ -107,6 +108,24 @@ def test_every_member_gets_the_same_exact_mean(numel: int) -> None:
     for peer in ids:  # every member sent one part to each other owner
         assert sorted(members[peer].client.calls) == sorted((peer, o) for o in ids if o != peer)
         assert members[peer]._rounds == {} and members[peer]._started == {}
+
+
+def test_every_member_records_the_union_of_microbatch_ids(caplog: pytest.LogCaptureFixture) -> None:
+    """Each member lists the microbatches its gradient holds; all members learn the same stage-wide
+    list, and an id listed by two members (accumulated twice) is reported."""
+    ids = ("peerA", "peerB", "peerC")
+    held = {"peerA": ["t/1", "t/4"], "peerB": ["t/2"], "peerC": ["t/3", "t/1"]}
+    flat = grads(dict.fromkeys(ids, 1), 50)
+    members = make_members(ids)
+
+    async def main() -> list[RoundResult]:
+        return await asyncio.gather(*(members[p].run(5, ids, flat[p], 1, ids=held[p]) for p in ids))
+
+    with caplog.at_level(logging.ERROR):
+        results = run_all(main())
+    assert all(r.ids == ["t/1", "t/2", "t/3", "t/4"] for r in results)
+    assert "accumulated by two replicas: t/1" in caplog.text
+    assert merge_ids([["b", "a"], ["c"]]) == (["a", "b", "c"], [])
 
 
 def test_a_lost_reply_is_recovered_by_calling_again() -> None:
@@ -118,7 +137,7 @@ def test_a_lost_reply_is_recovered_by_calling_again() -> None:
     members = make_members(ids)
     members["peerA"].client.lose_reply_from.add("peerB")
 
-    async def main() -> list[tuple[torch.Tensor, int]]:
+    async def main() -> list[RoundResult]:
         return await asyncio.gather(*(members[p].run(2, ids, flat[p], samples[p]) for p in ids))
 
     results = run_all(main())
@@ -133,7 +152,7 @@ def test_gradients_are_not_modified_in_place() -> None:
     kept = {p: g.clone() for p, g in flat.items()}
     members = make_members(ids)
 
-    async def main() -> list[tuple[torch.Tensor, int]]:
+    async def main() -> list[RoundResult]:
         return await asyncio.gather(*(members[p].run(4, ids, flat[p], samples[p]) for p in ids))
 
     run_all(main())
@@ -179,7 +198,7 @@ def test_a_contribution_wakes_an_owner_that_has_not_begun() -> None:
 
     members = make_members(ids, on_wake={"peerB": wake_b})
 
-    async def main() -> list[tuple[torch.Tensor, int]]:
+    async def main() -> list[RoundResult]:
         early = await asyncio.gather(*(members[p].run(9, ids, flat[p], samples[p]) for p in ("peerA", "peerC")))
         assert len(late) == 1
         return [*early, await late[0]]
@@ -285,6 +304,7 @@ def _meta(**overrides: Any) -> dict[str, Any]:
         (_meta(epoch="zero"), [torch.zeros(5)], "peerB"),
         (_meta(samples=None), [torch.zeros(5)], "peerB"),
         (_meta(group=5), [torch.zeros(5)], "peerB"),
+        (_meta(ids=[3, 4]), [torch.zeros(5)], "peerB"),  # microbatch ids must be strings
         (_meta(), [torch.zeros(5)], "peerC"),  # sender outside the group it claims
         (_meta(), [torch.zeros(5), torch.zeros(5)], "peerB"),
         (_meta(), [], "peerB"),

@@ -16,7 +16,7 @@ from swarm.config import ModelConfig, OptimConfig
 from swarm.core.schedule import warmup_lr
 from swarm.model import PAD_ID, ComposedModel, load_stages
 from swarm.net.protocol import decode, encode
-from swarm.server.runtime import StageRuntime
+from swarm.server.runtime import LEDGER_EPOCHS, StageRuntime
 
 SEQ = 16
 D_MODEL = 32
@@ -90,7 +90,7 @@ def test_pipeline_gradients_equal_the_composed_model(n_layers: int, num_stages: 
     for rt in runtimes[:-1]:
         (out,) = rt.forward([("mb0", sent[-1])])
         sent.append(out)
-    loss, grad = runtimes[-1].forward_backward_last(sent[-1], targets)
+    loss, grad = runtimes[-1].forward_backward_last("mb0", sent[-1], targets)
     for k in range(num_stages - 2, -1, -1):
         grad = runtimes[k].backward("mb0", sent[k], grad)
     assert grad is None  # the first stage has no input gradient to return
@@ -142,18 +142,68 @@ def test_fast_backward_equals_recomputed_backward(index: int) -> None:
     assert_within(fast.flat_grad(), slow.flat_grad(), 1e-6)
 
 
-def test_second_backward_for_a_request_recomputes() -> None:
-    """A kept graph serves one backward; a repeat (a retried call) recomputes and accumulates again."""
+def test_a_repeated_microbatch_gets_its_input_gradient_but_is_not_accumulated_again() -> None:
+    """The ledger holds the microbatch: a repeat (a retried or replayed call) returns the same input
+    gradient and leaves the accumulated gradient as it was, before and after the step took it in."""
     rt = runtime(load_stages(tiny_cfg())[1])
     x, grad_out = hidden(2, seed=3), hidden(2, seed=4)
     rt.forward([("r", x)])
     first = rt.backward("r", x, grad_out)
     once = rt.flat_grad()
+    assert rt.pending == {"r": 2} and not rt.accumulates("r")
     second = rt.backward("r", x, grad_out)
-    assert (rt.fast_backwards, rt.recomputed_backwards) == (1, 1)
-    assert rt.pending_samples == 4
-    assert_within(second, first, 1e-6)
-    assert_within(rt.flat_grad(), 2 * once, 1e-5)
+    assert (rt.fast_backwards, rt.recomputed_backwards, rt.duplicates) == (1, 0, 1)
+    assert rt.pending_samples == 2
+    assert_within(second, first, 1e-5)
+    assert torch.equal(rt.flat_grad(), once)
+
+    record = rt.apply_step(rt.flat_grad() / 2, 2, group=1)
+    assert record.ids == ["r"] and rt.committed == {"r": 1} and rt.pending == {}
+    rt.backward("r", x, grad_out)  # committed: still not accumulated
+    assert rt.pending_samples == 0 and not rt.flat_grad().any() and rt.duplicates == 2
+
+
+def test_backward_without_accumulating_leaves_parameter_gradients_alone() -> None:
+    """A call sent elsewhere after an unanswered one asks for the input gradient only."""
+    plain, probe = (runtime(load_stages(tiny_cfg())[1]) for _ in range(2))
+    x, grad_out = hidden(2, seed=5), hidden(2, seed=6)
+    expected = plain.backward("r", x, grad_out)
+    got = probe.backward("r", x, grad_out, accumulate=False)
+    assert_within(got, expected, 1e-5)
+    assert probe.pending == {} and not probe.flat_grad().any()
+    assert probe.accumulates("r")  # a later replay of it is accumulated
+
+
+def test_last_stage_duplicate_reports_the_loss_and_input_gradient_only() -> None:
+    stage = load_stages(tiny_cfg())[-1]
+    rt = runtime(stage)
+    x, targets = hidden(2, seed=7), batch(2, seed=8)[1]
+    loss, grad = rt.forward_backward_last("m", x, targets)
+    once = rt.flat_grad()
+    again, grad_again = rt.forward_backward_last("m", x, targets)
+    _, grad_only = rt.forward_backward_last("other", x, targets, accumulate=False)
+    assert again == pytest.approx(loss) and rt.duplicates == 2
+    assert_within(grad_again, grad, 1e-5)
+    assert_within(grad_only, grad, 1e-5)
+    assert torch.equal(rt.flat_grad(), once) and rt.pending == {"m": 2}
+
+
+def test_batched_backward_accumulates_only_new_microbatches() -> None:
+    """A batch graph whose requests include one the ledger already holds: the others accumulate as
+    usual, the known one gets its input gradient alone."""
+    rt, ref = (runtime(load_stages(tiny_cfg())[1]) for _ in range(2))
+    x1, x2, g1, g2 = hidden(1, seed=9), hidden(2, seed=10), hidden(1, seed=11), hidden(2, seed=12)
+    ref.backward("a", x1, g1)
+    rt.backward("a", x1, g1)
+    rt.apply_step(rt.flat_grad(), 1, group=1)
+    ref.apply_step(ref.flat_grad(), 1, group=1)
+    rt.forward([("a", x1), ("b", x2)])
+    results = rt.backward_batch(rt.graphs["a"], {"a": g1, "b": g2})
+    expected_b = ref.backward("b", x2, g2)
+    assert rt.pending == {"b": 2} and rt.duplicates == 1
+    assert_within(results["b"], expected_b, 1e-5)
+    assert_within(rt.flat_grad(), ref.flat_grad(), 1e-5)
+    assert results["a"].shape == x1.shape
 
 
 # ---- batched forward -----------------------------------------------------------------------------
@@ -323,6 +373,7 @@ def test_loaded_state_reproduces_the_next_step_bit_for_bit() -> None:
     assert newcomer.epoch == source.epoch == 2
     assert newcomer.digest() == source.digest()
     assert newcomer.pending_samples == 0 and not newcomer.flat_grad().any()
+    assert newcomer.committed == source.committed and len(source.committed) == 2  # the ledger travels too
 
     for rt in (source, newcomer):
         train_steps(rt, [42])
@@ -330,6 +381,17 @@ def test_loaded_state_reproduces_the_next_step_bit_for_bit() -> None:
     assert newcomer.digest() == source.digest()
     for a, b in zip(newcomer.params, source.params, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_ledger_remembers_a_bounded_number_of_steps() -> None:
+    rt = runtime(load_stages(tiny_cfg())[1])
+    for epoch in range(LEDGER_EPOCHS + 3):
+        rt.apply_step(torch.zeros_like(rt.flat_grad()), 1, group=1, ids=[f"t/{epoch}a", f"t/{epoch}b"])
+    assert len(rt.committed) == 2 * LEDGER_EPOCHS
+    assert min(rt.committed.values()) == rt.epoch - LEDGER_EPOCHS + 1
+    assert "t/0a" not in rt.committed and rt.accumulates("t/0a")
+    meta, _ = rt.state()
+    assert sum(len(ids) for _, ids in meta["ledger"]) == 2 * LEDGER_EPOCHS
 
 
 def test_state_without_optimizer_moments_would_diverge() -> None:

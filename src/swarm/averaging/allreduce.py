@@ -12,6 +12,10 @@ epoch differs from its own. The round then fails everywhere and is retried with 
 A contribution arriving before its owner began the round wakes the owner up (via `on_wake`, with the
 proposed group), so the stage steps together instead of waiting for every member to notice the DHT.
 
+Each contribution also lists the microbatches the member's gradient holds; owners answer with the
+union, so every member records the same ledger for the step. A microbatch listed by two members (it
+was accumulated twice) is reported: the delivery rules exist to make that impossible.
+
 A member applies the step only if it received every part. If an owner dies after answering some
 members, those members step and the rest fall one epoch behind, which the server detects and repairs
 by downloading state from an up-to-date replica: the stage never holds two different weights at the
@@ -67,9 +71,26 @@ class _Round:
     group: tuple[str, ...]
     size: int
     digest: str  # the owner's weights: contributions computed on other weights are refused
-    contributions: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    contributions: dict[str, tuple[torch.Tensor, int, list[str]]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
-    result: tuple[torch.Tensor, int] | None = None
+    result: tuple[torch.Tensor, int, list[str]] | None = None
+
+
+@dataclass
+class RoundResult:
+    mean: torch.Tensor  # the stage's mean gradient
+    samples: int  # over the whole stage
+    ids: list[str]  # microbatches the step takes in, stage-wide
+
+
+def merge_ids(lists: list[list[str]]) -> tuple[list[str], list[str]]:
+    """The union of members' microbatch lists, and the ids found in more than one of them."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for ids in lists:
+        for req_id in ids:
+            (twice if req_id in seen else seen).add(req_id)
+    return sorted(seen), sorted(twice)
 
 
 class StageAllReduce:
@@ -94,9 +115,15 @@ class StageAllReduce:
         return self._started.setdefault(epoch, asyncio.Event())
 
     async def run(
-        self, epoch: int, group: tuple[str, ...], flat_grad: torch.Tensor, samples: int, digest: str = ""
-    ) -> tuple[torch.Tensor, int]:
-        """Sum `flat_grad` and `samples` over `group`; returns (mean gradient, total samples)."""
+        self,
+        epoch: int,
+        group: tuple[str, ...],
+        flat_grad: torch.Tensor,
+        samples: int,
+        digest: str = "",
+        ids: list[str] | None = None,
+    ) -> RoundResult:
+        """Sum `flat_grad`, `samples` and the microbatch `ids` over `group`."""
         if self.own_id not in group:
             raise ValueError("a member must belong to its own group")
         bounds = part_bounds(flat_grad.numel(), len(group))
@@ -105,7 +132,9 @@ class StageAllReduce:
         rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0], digest)
         self._started_event(epoch).set()
         tasks = [
-            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples, digest))
+            asyncio.ensure_future(
+                self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples, digest, ids or [])
+            )
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
         gathered = asyncio.gather(*tasks)
@@ -123,18 +152,29 @@ class StageAllReduce:
             self._started.pop(epoch, None)
             if rnd.result is None:
                 rnd.complete.set()  # release members still waiting on this round: it is abandoned
-        totals = {total for _, total in results}
+        totals = {(total, tuple(merged)) for _, total, merged in results}
         if len(totals) != 1:
-            raise RoundFailed(f"owners disagree on the sample count: {sorted(totals)}")
+            raise RoundFailed(f"owners disagree on the samples: {sorted(t for t, _ in totals)}")
         self._finished[epoch] = rnd
         for old in [e for e in self._finished if e < epoch - 2]:
             del self._finished[old]
-        return torch.cat([part for part, _ in results]), totals.pop()
+        total, merged = totals.pop()
+        return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
 
     async def _exchange(
-        self, owner: str, epoch: int, group: tuple[str, ...], part: torch.Tensor, samples: int, digest: str
-    ) -> tuple[torch.Tensor, int]:
-        meta = {"epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage, "digest": digest}
+        self,
+        owner: str,
+        epoch: int,
+        group: tuple[str, ...],
+        part: torch.Tensor,
+        samples: int,
+        digest: str,
+        ids: list[str],
+    ) -> tuple[torch.Tensor, int, list[str]]:
+        meta = {
+            "epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage, "digest": digest,
+            "ids": ids,
+        }
         if owner == self.own_id:
             reply, tensors = await self.contribute(meta, [part], self.own_id)
         else:
@@ -150,7 +190,7 @@ class StageAllReduce:
                     await asyncio.sleep(0.1)
         if len(tensors) != 1:
             raise RoundFailed(f"owner {short(owner)} sent {len(tensors)} tensors")
-        return tensors[0], int(reply["samples"])
+        return tensors[0], int(reply["samples"]), list(reply.get("ids", []))
 
     async def contribute(
         self, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str
@@ -158,15 +198,16 @@ class StageAllReduce:
         """Owner side: take one member's part, answer with the reduced part once all are in."""
         try:
             epoch, group, samples = int(meta["epoch"]), tuple(meta["group"]), int(meta["samples"])
+            ids = list(meta.get("ids", []))
         except (KeyError, TypeError, ValueError) as e:
             raise BadRequest(f"malformed reduce request: {e}") from e
-        if not all(isinstance(p, str) for p in group) or samples < 0:
-            raise BadRequest("malformed reduce request: group must list peer ids and samples be >= 0")
+        if not all(isinstance(p, str) for p in (*group, *ids)) or samples < 0:
+            raise BadRequest("malformed reduce request: group and ids must list strings and samples be >= 0")
         if sender not in group or len(tensors) != 1:
             raise BadRequest("reduce request from outside its own group")
         done = self._finished.get(epoch)
         if done is not None and done.group == group and sender in done.contributions and done.result is not None:
-            return {"samples": done.result[1]}, [done.result[0]]
+            return self._answer(done.result)
         if epoch not in self._rounds:
             if not self.on_wake(epoch, group):
                 raise BadRequest(f"this replica is not at epoch {epoch}")
@@ -189,16 +230,24 @@ class StageAllReduce:
         if part.numel() != rnd.size or part.dtype != torch.float32:
             raise BadRequest(f"part has {part.numel()} {part.dtype} values, expected {rnd.size} float32")
         if rnd.result is None:  # once reduced, a round's answer never changes
-            rnd.contributions[sender] = (part, samples)
+            rnd.contributions[sender] = (part, samples, ids)
         if rnd.result is None and len(rnd.contributions) == len(rnd.group):
-            total_samples = sum(n for _, n in rnd.contributions.values())
+            total_samples = sum(n for _, n, _ in rnd.contributions.values())
             summed = torch.zeros(rnd.size, dtype=torch.float32)
             for member in rnd.group:  # fixed order: the same bits whoever computes it
                 summed += rnd.contributions[member][0]
-            rnd.result = (summed / max(total_samples, 1), total_samples)
+            merged, twice = merge_ids([rnd.contributions[m][2] for m in rnd.group])
+            if twice:
+                log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
+                          ", ".join(twice[:5]))
+            rnd.result = (summed / max(total_samples, 1), total_samples, merged)
             rnd.complete.set()
         await rnd.complete.wait()
         if rnd.result is None:
             raise BadRequest(f"the round for epoch {epoch} was abandoned")
-        mean, total = rnd.result
-        return {"samples": total}, [mean]
+        return self._answer(rnd.result)
+
+    @staticmethod
+    def _answer(result: tuple[torch.Tensor, int, list[str]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        mean, total, ids = result
+        return {"samples": total, "ids": ids}, [mean]

@@ -166,6 +166,10 @@ class TrainerConfig:
     # seconds before a call is abandoned and retried elsewhere; longer than net.allreduce_timeout, since
     # requests queue behind the stage's all-reduce
     request_timeout: float = 60.0
+    # calls time out at their measured latency plus four deviations, but never sooner than this
+    min_request_timeout: float = 5.0
+    # after its last microbatch, how long a trainer waits for the stages to confirm every gradient
+    settle_timeout: float = 60.0
     ban_seconds: float = 15.0  # a server that failed is not picked again for this long
     max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
     index: int = 0  # this trainer's data shard
@@ -174,7 +178,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers"):
             _require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
-        _require(self.request_timeout > 0, "trainer.request_timeout", "must be positive")
+        for name in ("request_timeout", "min_request_timeout", "settle_timeout"):
+            _require(getattr(self, name) > 0, f"trainer.{name}", "must be positive")
         _require(self.routing in ("random", "wrr"), "trainer.routing", f"must be random or wrr, got {self.routing!r}")
         _require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")
         _require(

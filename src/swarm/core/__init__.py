@@ -1,4 +1,5 @@
-"""Pure decision logic of the swarm: routing, bans, measurements, retries, partitioning, stepping.
+"""Pure decision logic of the swarm: routing, bans, measurements, retries, partitioning, stepping,
+delivery.
 
 Purity rule: modules here import only the Python standard library and other `swarm.core` modules;
 no torch, numpy, asyncio, hivemind or sockets, and no global clock or global random state. Time is
@@ -7,6 +8,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 """
 
 from swarm.core.bans import BanList
+from swarm.core.delivery import LedgerAnswer, Verdict, judge
 from swarm.core.partition import split_layers
 from swarm.core.retry import backoff_delay
 from swarm.core.routing import (
@@ -24,11 +26,14 @@ __all__ = [
     "BanList",
     "Candidate",
     "LatencyTracker",
+    "LedgerAnswer",
     "RateMeter",
     "SmoothWeightedRoundRobin",
+    "Verdict",
     "backoff_delay",
     "choose_server",
     "expected_group",
+    "judge",
     "routing_weight",
     "split_layers",
     "stage_ready",

@@ -2,7 +2,8 @@
 
 Every tensor-carrying call is a stream, because hivemind caps unary messages at 4 MiB and a larger
 one hangs the caller. Metadata rides on the first message only. The receiver counts bytes as parts
-arrive and refuses a payload over its limit before it is fully buffered.
+arrive and refuses a payload over its limit before it is fully buffered. Metadata that would not fit
+beside a full tensor part (a state's delivery ledger can be a few hundred KiB) gets a message of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 from swarm.wire.validate import BadRequest
 
 CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024  # a little under the 4 MiB cap, leaving room for framing
+INLINE_META_BYTES = 32 * 1024  # metadata up to this size shares the first message with a tensor part
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 
 
@@ -27,7 +29,13 @@ def encode(
     cls: type[Message], meta: dict[str, Any], tensors: Sequence[torch.Tensor]
 ) -> Iterator[Message]:
     """Yield the messages that carry `meta` and `tensors`; at least one even with no tensors."""
+    packed = msgpack.packb(meta)
+    if len(packed) > CHUNK_BYTES:
+        raise ValueError(f"metadata of {len(packed)} bytes exceeds one message")
     first = True
+    if len(packed) > INLINE_META_BYTES:
+        yield cls(metadata=packed)
+        first = False
     parts = (
         part
         for t in tensors
@@ -38,11 +46,11 @@ def encode(
     for part in parts:
         msg = cls(tensors=[part])
         if first:
-            msg.metadata = msgpack.packb(meta)
+            msg.metadata = packed
             first = False
         yield msg
     if first:
-        yield cls(metadata=msgpack.packb(meta))
+        yield cls(metadata=packed)
 
 
 async def decode(stream: AsyncIterator[Message], max_bytes: int) -> tuple[dict[str, Any], list[torch.Tensor]]:

@@ -40,6 +40,8 @@ class StageHandler(Protocol):
 
     async def reduce(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
+    async def ledger(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
+
 
 class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler):
@@ -75,4 +77,8 @@ class StageServicer(ServicerBase):
 
     async def rpc_state(self, requests: Requests, context: P2PContext) -> Responses:
         async for msg in self._serve(self.handler.state, requests, context):
+            yield msg
+
+    async def rpc_ledger(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.ledger, requests, context):
             yield msg

@@ -23,12 +23,14 @@ REPLY_LIMIT_BYTES = 1 << 34  # replies come from servers we chose; the request s
 
 
 class CallFailed(Exception):
-    """The call did not produce a reply. `refused` is True when the server rejected the request itself."""
+    """The call did not produce a reply. `refused`: the server rejected the request itself (retrying will
+    not help); `answered`: the server replied with an error (so it did not apply the request)."""
 
-    def __init__(self, message: str, refused: bool = False, timed_out: bool = False):
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False, answered: bool = False):
         super().__init__(message)
         self.refused = refused
         self.timed_out = timed_out
+        self.answered = answered or refused
 
 
 class StageClient:
@@ -65,11 +67,17 @@ class StageClient:
             except Exception as e:
                 if attempt == 0 and asyncio.get_running_loop().time() < deadline:
                     continue
-                raise CallFailed(f"{method} failed: {type(e).__name__}: {e}") from e
+                raise CallFailed(f"{method} failed: {type(e).__name__}: {_one_line(e)}") from e
         if "error" in reply:
-            raise CallFailed(str(reply["error"]), refused=bool(reply.get("refused")))
+            raise CallFailed(str(reply["error"]), refused=bool(reply.get("refused")), answered=True)
         return reply, received
 
+
+
+def _one_line(error: Exception, limit: int = 160) -> str:
+    """libp2p errors span several lines (one per address tried); logs want one line per event."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 async def _aiter(items):

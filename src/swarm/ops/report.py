@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,21 @@ def collect(run_dir: Path) -> dict[str, Any]:
     completed = sorted((c for t in trainers for c in t["completed"]), key=lambda c: c[0])
     stages: dict[int, dict[str, Any]] = {}
     step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
+    step_ids: dict[int, dict[int, list[list[str]]]] = {}  # stage -> epoch -> each replica's list of its ids
     for s in servers:
         st = stages.setdefault(s["stage"], {"replicas": []})
         st["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
                                "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
-                               "catch_ups", "lost_samples")}
+                               "catch_ups", "lost_samples", "stale_refusals", "duplicates")}
         )
         # every replica logs the whole stage's sample count for the steps it took part in
         step_samples.setdefault(s["stage"], {}).update({step["epoch"]: step["samples"] for step in s["steps"]})
+        for step in s["steps"]:
+            step_ids.setdefault(s["stage"], {}).setdefault(step["epoch"], []).append(step["ids"])
+    completed_ids = {f"{t['peer_id']}/{c[4]}" for t in trainers for c in t["completed"]}
     for stage, st in stages.items():
+        st["delivery"] = delivery(step_ids.get(stage, {}), completed_ids)
         merged = step_samples[stage]
         st["steps"] = max(merged, default=0)
         st["samples_stepped"] = sum(merged.values())
@@ -42,6 +48,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "microbatches_failed": sum(t["failed"] for t in trainers),
         "trainer_call_seconds": _sum_dicts(t["call_seconds"] for t in trainers),
         "retries": sum(t["retries"] for t in trainers),
+        "replays": sum(t["replays"] for t in trainers),
+        "unresolved": sum(t["unresolved"] for t in trainers),
         "wall_seconds": (end - start) if start and end else None,
         "samples_per_second": samples / (end - start) if start and end and end > start else None,
         # from the first completed microbatch on: excludes waiting for servers and filling the pipeline
@@ -51,6 +59,27 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "stages": {str(k): v for k, v in sorted(stages.items())},
         "_completed": completed,
         "_start": start,
+    }
+
+
+def delivery(ledger: dict[int, list[list[str]]], completed: set[str]) -> dict[str, int]:
+    """How a stage's steps account for the completed microbatches: each should be in exactly one step.
+
+    `ledger` maps each epoch to the id lists its replicas recorded for that step (one list per replica
+    that took part; they must agree). `not_completed` counts microbatches a step took in that no trainer
+    reported complete (a trainer killed mid-run reports nothing).
+    """
+    counts: Counter[str] = Counter()
+    conflicting = 0
+    for lists in ledger.values():
+        conflicting += any(ids != lists[0] for ids in lists)
+        counts.update(lists[0])
+    return {
+        "steps_seen": len(ledger),
+        "conflicting_steps": conflicting,
+        "duplicated": sum(1 for n in counts.values() if n > 1),
+        "missing": len(completed - counts.keys()),
+        "not_completed": len(counts.keys() - completed),
     }
 
 

@@ -13,6 +13,12 @@ so after a step (or when the graph was evicted, or the backward arrives at anoth
 backward recomputes the forward from the inputs the trainer sends along. A graph built for a batch
 of several requests is back-propagated once for all of them (`backward_batch`): running it once per
 request would cost a full batch backward each time.
+
+Delivery ledger: the runtime knows which microbatches its accumulated gradient holds (`pending`) and
+which ones recent steps of the stage took in (`committed`, kept for `LEDGER_EPOCHS` epochs and sent
+along with the state). A microbatch already held or committed is never accumulated again: a repeated
+or replayed request only gets its input gradient back. That, and the step taking exactly the held
+microbatches, is what lets a trainer retry or replay a microbatch without counting it twice.
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ class BatchGraph:
         return len(self.rows)
 
 
+LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
+
+
 @dataclass
 class StepRecord:
     epoch: int  # the epoch this step produced
@@ -52,6 +61,7 @@ class StepRecord:
     lr: float
     grad_norm: float
     digest: str  # hash of the parameters after the step: equal digests mean bit-identical replicas
+    ids: list[str] = field(default_factory=list)  # the microbatches the step took in, stage-wide
     time: float = field(default_factory=time.time)
 
 
@@ -76,11 +86,22 @@ class StageRuntime:
         self.autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
         self.graph_ttl = graph_ttl
         self.epoch = 0
-        self.pending_samples = 0  # accumulated since the last step
+        self.pending: dict[str, int] = {}  # microbatch id -> samples, accumulated since the last step
+        self.pending_samples = 0  # their sum, readable from the network thread without iterating
+        self.committed: dict[str, int] = {}  # microbatch id -> the epoch its step produced (recent steps)
+        self.duplicates = 0  # requests for microbatches already held or committed: not accumulated again
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
         self.recomputed_backwards = 0
         self.last_digest = self.digest()  # of the current weights; replicas at one epoch must agree on it
+
+    def accumulates(self, req_id: str) -> bool:
+        """Whether a gradient for `req_id` would be new to the stage's ledger (else it is a duplicate)."""
+        return req_id not in self.pending and req_id not in self.committed
+
+    def _hold(self, req_id: str, samples: int) -> None:
+        self.pending[req_id] = samples
+        self.pending_samples += samples
 
     # ---- compute -------------------------------------------------------------------------------
 
@@ -108,14 +129,23 @@ class StageRuntime:
             start = rows.stop
         return results
 
-    def forward_backward_last(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+    def forward_backward_last(
+        self, req_id: str, x: torch.Tensor, targets: torch.Tensor, accumulate: bool = True
+    ) -> tuple[float, torch.Tensor | None]:
         """The last stage: loss, and the gradient with respect to its inputs, in one call."""
+        accumulate = accumulate and self.accumulates(req_id)
+        if not accumulate:
+            self.duplicates += 1
         inputs = self._leaf(x)
-        with self._autocast():
+        with self._autocast(), torch.set_grad_enabled(accumulate or not self.is_first):
             loss = self.module(inputs, targets.to(self.device))
-        (loss.float() * x.shape[0]).backward()
-        self.pending_samples += x.shape[0]
-        grad = None if self.is_first else inputs.grad.cpu()
+        scaled = loss.float() * x.shape[0]
+        if accumulate:
+            scaled.backward()
+            self._hold(req_id, x.shape[0])
+            grad = None if self.is_first else inputs.grad.cpu()
+        else:
+            grad = None if self.is_first else torch.autograd.grad(scaled, inputs)[0].cpu()
         return float(loss.detach()), grad
 
     def live_graph(self, req_id: str) -> BatchGraph | None:
@@ -123,19 +153,37 @@ class StageRuntime:
         graph = self.graphs.get(req_id)
         return graph if graph is not None and graph.epoch == self.epoch else None
 
-    def backward(self, req_id: str, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
-        """Backward of one request: from its kept graph if it was forwarded alone, else recomputed."""
+    def backward(
+        self, req_id: str, x: torch.Tensor, grad_out: torch.Tensor, accumulate: bool = True
+    ) -> torch.Tensor | None:
+        """Backward of one request: from its kept graph if it was forwarded alone, else recomputed.
+
+        With `accumulate` False (or for a microbatch the ledger already has) only the input gradient
+        is computed: the parameters' gradients are left as they are.
+        """
         graph = self.live_graph(req_id)
-        if graph is not None and graph.size == 1:
+        if accumulate and graph is not None and graph.size == 1:
             return self.backward_batch(graph, {req_id: grad_out})[req_id]
         self.graphs.pop(req_id, None)
+        if not (accumulate and self.accumulates(req_id)):
+            self.duplicates += 1
+            return self._input_grad(x, grad_out)
         inputs = self._leaf(x)
         with self._autocast():
             outputs = self.module(inputs)
         outputs.backward(grad_out.to(self.device))
         self.recomputed_backwards += 1
-        self.pending_samples += x.shape[0]
+        self._hold(req_id, x.shape[0])
         return None if self.is_first else inputs.grad.cpu()
+
+    def _input_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """d(loss)/d(inputs) alone, leaving parameter gradients untouched (stage 0 has none to give)."""
+        if self.is_first:
+            return None
+        inputs = self._leaf(x)
+        with self._autocast():
+            outputs = self.module(inputs)
+        return torch.autograd.grad(outputs, inputs, grad_out.to(self.device).to(outputs.dtype))[0].cpu()
 
     def backward_batch(
         self, graph: BatchGraph, grads: dict[str, torch.Tensor]
@@ -148,15 +196,21 @@ class StageRuntime:
             raise ValueError("the graph was built with weights this replica no longer holds")
         for req_id in graph.rows:
             self.graphs.pop(req_id, None)
-        full = torch.zeros_like(graph.outputs, dtype=torch.float32)
-        for req_id, dy in grads.items():
-            full[graph.rows[req_id]] = dy.to(self.device)
-        graph.outputs.backward(full.to(graph.outputs.dtype))
-        self.fast_backwards += len(grads)
-        self.pending_samples += sum(graph.rows[r].stop - graph.rows[r].start for r in grads)
-        if self.is_first:
-            return dict.fromkeys(grads)
-        return {r: graph.inputs.grad[graph.rows[r]].cpu() for r in grads}
+        fresh = {r: dy for r, dy in grads.items() if self.accumulates(r)}
+        results: dict[str, torch.Tensor | None] = {}
+        if fresh:
+            full = torch.zeros_like(graph.outputs, dtype=torch.float32)
+            for req_id, dy in fresh.items():
+                full[graph.rows[req_id]] = dy.to(self.device)
+            graph.outputs.backward(full.to(graph.outputs.dtype))
+            self.fast_backwards += len(fresh)
+            for r in fresh:
+                self._hold(r, graph.rows[r].stop - graph.rows[r].start)
+                results[r] = None if self.is_first else graph.inputs.grad[graph.rows[r]].cpu()
+        for r in grads.keys() - fresh.keys():
+            self.duplicates += 1
+            results[r] = self._input_grad(graph.inputs[graph.rows[r]].detach(), grads[r])
+        return results
 
     def evict_stale_graphs(self) -> None:
         """Drop graphs whose backward never came (the trainer died) or that a step made invalid."""
@@ -172,8 +226,13 @@ class StageRuntime:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
 
-    def apply_step(self, mean_grad: torch.Tensor, samples: int, group: int) -> StepRecord:
-        """Take the optimizer step every replica of the stage takes, from the stage's mean gradient."""
+    def apply_step(
+        self, mean_grad: torch.Tensor, samples: int, group: int, ids: list[str] | None = None
+    ) -> StepRecord:
+        """Take the optimizer step every replica of the stage takes, from the stage's mean gradient.
+
+        `ids` are the microbatches the whole stage's step took in (this replica's own by default).
+        """
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -186,16 +245,28 @@ class StageRuntime:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.epoch += 1
-        self.pending_samples = 0
+        ids = sorted(self.pending) if ids is None else ids
+        self.pending, self.pending_samples = {}, 0
         self.graphs.clear()
         self.last_digest = self.digest()
-        return StepRecord(self.epoch, samples, group, lr, norm, self.last_digest)
+        self._commit(ids, self.epoch)
+        return StepRecord(self.epoch, samples, group, lr, norm, self.last_digest, ids)
+
+    def _commit(self, ids: list[str], epoch: int) -> None:
+        for req_id in ids:
+            self.committed[req_id] = epoch
+        oldest = epoch - LEDGER_EPOCHS
+        while self.committed:  # insertion order is epoch order: forget from the front
+            first = next(iter(self.committed))
+            if self.committed[first] > oldest:
+                break
+            del self.committed[first]
 
     def discard_gradients(self) -> int:
         """Forget accumulated gradients (they belong to weights this replica no longer holds)."""
         lost = self.pending_samples
         self.optimizer.zero_grad(set_to_none=True)
-        self.pending_samples = 0
+        self.pending, self.pending_samples = {}, 0
         self.graphs.clear()
         return lost
 
@@ -218,7 +289,9 @@ class StageRuntime:
             for key, value in sorted(st.items()):
                 opt_keys.append([index, key])
                 tensors.append(torch.as_tensor(value).detach().cpu().clone())
-        return {"epoch": self.epoch, "names": names, "opt_keys": opt_keys}, tensors
+        ledger = [[epoch, [r for r, e in self.committed.items() if e == epoch]]
+                  for epoch in sorted(set(self.committed.values()))]
+        return {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger}, tensors
 
     def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         names, opt_keys = meta["names"], meta["opt_keys"]
@@ -233,3 +306,6 @@ class StageRuntime:
         self.epoch = int(meta["epoch"])
         self.last_digest = self.digest()
         self.discard_gradients()
+        self.committed = {}
+        for epoch, ids in meta.get("ledger", []):
+            self._commit(ids, int(epoch))

@@ -50,6 +50,17 @@ def _ignore_cancelled_stream_handlers(loop: asyncio.AbstractEventLoop, context: 
     loop.default_exception_handler(context)
 
 
+def _accumulate(meta: dict[str, Any]) -> bool:
+    """A trainer asks for the input gradient only when another replica may already hold this microbatch."""
+    return meta.get("accumulate", True) is not False
+
+
+def _expiry(meta: dict[str, Any]) -> float:
+    """When the caller stops waiting for this request, on our own clock (measured from its arrival)."""
+    timeout = meta.get("timeout")
+    return time.monotonic() + timeout if isinstance(timeout, int | float) and timeout > 0 else math.inf
+
+
 def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module]) -> tuple[TensorSpec, TensorSpec | None]:
     """What this stage accepts and emits, found by pushing one sample through the stages before it."""
     k, seq = cfg.server.stage, cfg.model.seq_len
@@ -74,7 +85,7 @@ class StageServer:
         self.rng = random.Random()
         self.meter = RateMeter(alpha=0.3)
         self.steps: list[StepRecord] = []
-        self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0}
+        self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0}
         self._queued = 0
         self._window_samples = 0
         self._window_busy = 0.0
@@ -90,6 +101,9 @@ class StageServer:
         self._alone_since = math.inf  # since when no other replica of the stage is in view
         self._peers_at_epoch: tuple[int, set[str]] = (-1, set())  # other replicas last seen at our epoch
         self._announced_pending = 0
+        self._round_epoch: int | None = None  # the epoch whose step round is running
+        self._stale_logged = -1  # the last epoch at which this replica said it is behind
+        self._durable_epoch = -1  # the newest epoch this replica's checkpoints hold
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -226,13 +240,17 @@ class StageServer:
 
     # ---- compute ------------------------------------------------------------------------------
 
-    async def _compute(self, fn, *args):
+    async def _compute(self, fn, *args, expires: float = math.inf):
+        """Run `fn` on the compute thread once it is free; a request whose caller has given up on it
+        by then is dropped rather than applied (the caller may be retrying it elsewhere)."""
         self._queued += 1
         acquired = False
         try:
             async with self._gate:
                 self._queued -= 1
                 acquired = True
+                if time.monotonic() > expires:
+                    raise Unavailable("the request expired while it queued")
                 return await self._run_timed(fn, *args)
         finally:
             if not acquired:
@@ -291,7 +309,23 @@ class StageServer:
         req = meta.get("req")
         if not isinstance(req, str) or not req:
             raise BadRequest("missing request id")
+        self._refuse_if_stale(meta.get("epoch", 0))
         return f"{caller}/{req}"
+
+    def _refuse_if_stale(self, stage_epoch: Any) -> None:
+        """Stale replicas never serve: a caller that has seen the stage at a later epoch than ours is
+        turned away (it retries elsewhere), and this replica catches up before it serves again."""
+        if not isinstance(stage_epoch, int) or stage_epoch <= self.runtime.epoch:
+            return
+        if self._round_epoch == self.runtime.epoch:
+            return  # our own step to that epoch is under way; the request waits for it behind the gate
+        self.counters["stale_refusals"] += 1
+        if self._stale_logged != self.runtime.epoch:
+            self._stale_logged = self.runtime.epoch
+            log.warning("stage %d server %s is at epoch %d but the stage is at %d: catching up before serving",
+                        self.stage, short(self.peer_id), self.runtime.epoch, stage_epoch)
+        self._wake.set()
+        raise Unavailable(f"stale replica: at epoch {self.runtime.epoch}, the stage is at {stage_epoch}")
 
     def refused(self, method: str, caller: str, error: BadRequest) -> None:
         """One log line per refused request; the caller got the same text back."""
@@ -328,9 +362,11 @@ class StageServer:
         key = self._admit(meta, caller)
         x, targets = self._check_forward(tensors)
         if targets is not None:
-            if key in self._replies:  # a retry of a call whose reply was lost: do not accumulate twice
+            if key in self._replies:  # a repeat of a call whose reply was lost: answer it again
                 return self._replies[key]
-            loss, grad = await self._compute(self.runtime.forward_backward_last, x, targets)
+            loss, grad = await self._compute(
+                self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta)
+            )
             return self._backward_done(key, x.shape[0], {"loss": loss}, grad)
         fut = asyncio.get_running_loop().create_future()
         self._fwd_queue.append((key, x, fut))
@@ -341,14 +377,15 @@ class StageServer:
     async def backward(self, meta, tensors, caller):
         key = self._admit(meta, caller)
         x, dy = self._check_backward(tensors)
-        if key in self._replies:  # a retry of a call whose reply was lost: do not accumulate twice
+        if key in self._replies:  # a repeat of a call whose reply was lost: answer it again
             return self._replies[key]
+        accumulate = _accumulate(meta) and self.runtime.accumulates(key)
         graph = self.runtime.live_graph(key)
         grad = _RECOMPUTE
-        if graph is not None and graph.size > 1:
+        if accumulate and graph is not None and graph.size > 1:
             grad = await self._batched_backward(graph, key, dy)
         if grad is _RECOMPUTE:
-            grad = await self._compute(self.runtime.backward, key, x, dy)
+            grad = await self._compute(self.runtime.backward, key, x, dy, accumulate, expires=_expiry(meta))
         return self._backward_done(key, x.shape[0], {}, grad)
 
     async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
@@ -397,7 +434,7 @@ class StageServer:
                 future.set_result(results[key])
 
     def _backward_done(self, key: str, samples: int, meta: dict[str, Any], grad: torch.Tensor | None):
-        """Record a call that accumulated gradients, so that a retry of it is answered, not applied twice."""
+        """Remember the reply of a gradient call, so that a repeat of it costs no compute."""
         reply = {"epoch": self.runtime.epoch, **meta}, [] if grad is None else [grad]
         self._replies[key] = reply
         while len(self._replies) > REPLY_CACHE:
@@ -408,6 +445,21 @@ class StageServer:
 
     async def state(self, meta, tensors, caller):
         return await self._compute(self.runtime.state)
+
+    async def ledger(self, meta, tensors, caller):
+        """Where the caller's microbatches stand here: committed by a step (and at which epoch), held in
+        this replica's unstepped gradient, or neither. `durable` is the newest epoch on disk."""
+        ids = meta.get("ids")
+        if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+            raise BadRequest("ledger takes a list of request ids")
+        keys = {f"{caller}/{r}": r for r in ids}
+        rt = self.runtime
+        return {
+            "epoch": rt.epoch,
+            "committed": {r: rt.committed[k] for k, r in keys.items() if k in rt.committed},
+            "pending": [r for k, r in keys.items() if k in rt.pending],
+            "durable": rt.epoch if self.checkpoints is None else self._durable_epoch,
+        }, []
 
     async def reduce(self, meta, tensors, caller):
         return await self.allreduce.contribute(meta, tensors, caller)
@@ -516,13 +568,18 @@ class StageServer:
             if self.runtime.epoch != epoch:
                 return
             self._behind_since.clear()
-            samples = self.runtime.pending_samples
-            flat = await self._run_timed(self.runtime.flat_grad)
-            if len(group) > 1:
-                mean, total = await self.allreduce.run(epoch, group, flat, samples, self.runtime.last_digest)
-            else:
-                mean, total = flat / max(samples, 1), samples
-            record = await self._run_timed(self.runtime.apply_step, mean, total, len(group))
+            self._round_epoch = epoch
+            try:
+                samples, ids = self.runtime.pending_samples, sorted(self.runtime.pending)
+                flat = await self._run_timed(self.runtime.flat_grad)
+                if len(group) > 1:
+                    result = await self.allreduce.run(epoch, group, flat, samples, self.runtime.last_digest, ids)
+                    mean, samples, ids = result.mean, result.samples, result.ids
+                else:
+                    mean = flat / max(samples, 1)
+                record = await self._run_timed(self.runtime.apply_step, mean, samples, len(group), ids)
+            finally:
+                self._round_epoch = None
         self.steps.append(record)
         log.info(
             "stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
@@ -535,6 +592,7 @@ class StageServer:
     async def _checkpoint(self) -> None:
         meta, tensors = await self._compute(self.runtime.state)
         path = await asyncio.get_running_loop().run_in_executor(None, self.checkpoints.save, meta, tensors)
+        self._durable_epoch = max(self._durable_epoch, int(meta["epoch"]))
         log.info("stage %d checkpoint at epoch %d: %s", self.stage, meta["epoch"], path)
 
     def _resume_from_disk(self) -> None:
@@ -545,6 +603,7 @@ class StageServer:
             return
         meta, tensors = found
         self.runtime.load_state(meta, tensors)
+        self._durable_epoch = self.runtime.epoch
         log.info("stage %d resumed from checkpoint at epoch %d", self.stage, self.runtime.epoch)
 
     # ---- catching up -------------------------------------------------------------------------
@@ -594,6 +653,7 @@ class StageServer:
             "steps": [asdict(s) for s in self.steps],
             "fast_backwards": runtime.fast_backwards,
             "recomputed_backwards": runtime.recomputed_backwards,
+            "duplicates": runtime.duplicates,
             "throughput": self.meter.rate,
             "busy_seconds": self.busy_seconds,
             "alive_seconds": time.time() - self.started,

@@ -7,6 +7,12 @@ One microbatch, in order (`_microbatch`):
      (it kept the graph); any other replica recomputes the forward from the inputs we resend.
 A failed call bans that server for a while and retries the same stage elsewhere. Several
 microbatches are in flight at once so one trainer keeps servers of every stage busy.
+
+Delivery (see `swarm.core.delivery`): every gradient a stage accumulates for a microbatch is tracked
+until the stage's ledger shows it in a step that is on disk. A call that may have been applied (it
+timed out, or its connection broke twice) is retried elsewhere for the input gradient only; a
+gradient lost with the replica that held it is accumulated again from what the trainer kept. The
+microbatches whose forward failed before anything was accumulated are retried whole.
 """
 
 from __future__ import annotations
@@ -23,7 +29,17 @@ from pathlib import Path
 import torch
 
 from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
-from swarm.core import BanList, Candidate, SmoothWeightedRoundRobin, backoff_delay, choose_server
+from swarm.core import (
+    BanList,
+    Candidate,
+    LatencyTracker,
+    LedgerAnswer,
+    SmoothWeightedRoundRobin,
+    Verdict,
+    backoff_delay,
+    choose_server,
+    judge,
+)
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
 from swarm.net.node import start_dht
@@ -43,6 +59,32 @@ class Completed:
     samples: int
     loss: float
     epoch: int  # the last stage's epoch when it computed this loss
+    req: str
+
+
+@dataclass
+class Served:
+    """A stage call that succeeded, and who holds the gradient it accumulated (if it accumulated one)."""
+
+    peer: str  # the server that answered
+    meta: dict
+    tensors: list[torch.Tensor]
+    holder: str  # the server that accumulated (or, after an unanswered call, may have accumulated) it
+    epoch: int  # the stage's epoch at the holder when it accumulated, as far as we know
+
+
+@dataclass
+class Delivery:
+    """A stage's gradient of one microbatch, kept until a durable step of the stage took it in."""
+
+    req: str
+    stage: int
+    method: str  # the call that accumulates it again: "backward", or "forward" for the last stage
+    tensors: list[torch.Tensor]
+    holder: str
+    epoch: int
+    judge_after: float  # monotonic time before which no verdict is taken (a doubtful call may still run)
+    replaying: bool = False
 
 
 class Trainer:
@@ -58,12 +100,19 @@ class Trainer:
         self.inflight: dict[str, int] = {}
         self.stage_epoch = [0] * self.num_stages
         self.completed: list[Completed] = []
+        self.deliveries: dict[tuple[str, int], Delivery] = {}
+        self.latency = {(k, m): LatencyTracker() for k in range(self.num_stages) for m in ("forward", "backward")}
         self.failed = 0
         self.retries = 0
+        self.replays = 0
+        self.unresolved = 0
+        self.done = False
         self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
         self._ids = itertools.count()
         self._mismatch_logged: set[str] = set()
         self._waiting_logged: set[int] = set()
+        self._requeued: list[torch.Tensor] = []  # batches whose forward failed: they are retried whole
+        self._replaying: set[asyncio.Task] = set()
 
     def run(self) -> None:
         asyncio.run(self.train())
@@ -87,7 +136,7 @@ class Trainer:
                      short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
             await self._refresh()
             self._check_config()
-            refresher = asyncio.create_task(self._refresh_loop())
+            background = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._delivery_loop())]
             slots = asyncio.Semaphore(self.tc.max_inflight)
             running: set[asyncio.Task] = set()
             while not self._finished():
@@ -95,15 +144,20 @@ class Trainer:
                 if self._finished():
                     slots.release()
                     break
-                task = asyncio.create_task(self._microbatch(next(batches)))
+                batch = self._requeued.pop(0) if self._requeued else next(batches)
+                task = asyncio.create_task(self._microbatch(batch))
                 running.add(task)
                 task.add_done_callback(lambda t: (running.discard(t), slots.release()))
             if running:
                 await asyncio.gather(*running)
-            refresher.cancel()
-            await self._announce(done=True)
-            log.info("trainer %s done: %d samples, %d microbatches failed, %d retries",
-                     short(self.peer_id), self._samples(), self.failed, self.retries)
+            self.done = True
+            await self._announce()
+            await self._settle()
+            for task in background:
+                task.cancel()
+            await self._announce()
+            log.info("trainer %s done: %d samples, %d microbatches failed, %d retries, %d gradients replayed",
+                     short(self.peer_id), self._samples(), self.failed, self.retries, self.replays)
         finally:
             self._write_summary()
             self.dht.shutdown()
@@ -117,26 +171,32 @@ class Trainer:
     async def _microbatch(self, batch: torch.Tensor) -> None:
         inputs, targets = split_inputs_targets(batch)
         req = f"{next(self._ids)}"
+        last = self.num_stages - 1
         try:
             x, path = inputs, []
-            for k in range(self.num_stages - 1):
-                peer, (_, (y,)) = await self._call(k, "forward", req, [x])
-                path.append((peer, x))
-                x = y
-            _, (meta, grads) = await self._call(self.num_stages - 1, "forward", req, [x, targets])
-            loss, epoch = float(meta["loss"]), int(meta["epoch"])
-            for k in reversed(range(self.num_stages - 1)):
+            for k in range(last):
+                served = await self._call(k, "forward", req, [x])
+                path.append((served.peer, x))
+                x = served.tensors[0]
+        except MicrobatchFailed as e:  # nothing was accumulated yet: the batch is retried whole
+            self.failed += 1
+            self._requeued.append(batch)
+            log.warning("microbatch %s forward failed (%s); its batch will be sent again", req, e)
+            return
+        try:
+            served = await self._call(last, "forward", req, [x, targets], accumulating=True)
+            self._track(req, last, "forward", [x, targets], served)
+            loss, epoch, grads = float(served.meta["loss"]), int(served.meta["epoch"]), served.tensors
+            for k in reversed(range(last)):
                 peer, x_k = path[k]
-                _, (_, grads) = await self._call(k, "backward", req, [x_k, grads[0]], prefer=peer)
-        except MicrobatchFailed as e:
+                served = await self._call(k, "backward", req, [x_k, grads[0]], prefer=peer, accumulating=True)
+                self._track(req, k, "backward", [x_k, grads[0]], served)
+                grads = served.tensors
+        except MicrobatchFailed as e:  # only when stopping: accumulating calls are retried until they succeed
             self.failed += 1
-            log.warning("microbatch %s given up: %s", req, e)
+            log.warning("microbatch %s abandoned: %s", req, e)
             return
-        except Exception:
-            self.failed += 1
-            log.exception("microbatch %s crashed", req)
-            return
-        self.completed.append(Completed(time.time(), inputs.shape[0], loss, epoch))
+        self.completed.append(Completed(time.time(), inputs.shape[0], loss, epoch, req))
 
     # ---- calling a stage, with stochastic wiring and retries -----------------------------------
 
@@ -152,47 +212,146 @@ class Trainer:
             return self.round_robin[stage].pick(candidates, self.bans.banned(now))
         return choose_server(candidates, self.rng, self.bans.banned(now))
 
-    async def _call(self, stage: int, method: str, req: str, tensors, prefer: str | None = None):
+    async def _call(
+        self,
+        stage: int,
+        method: str,
+        req: str,
+        tensors: list[torch.Tensor],
+        prefer: str | None = None,
+        accumulating: bool = False,
+    ) -> Served:
         """Call `method` of some server of `stage`, retrying elsewhere on failure.
 
-        A call that failed without timing out (the connection broke) is first repeated on the same
-        server with the same request id: the server may have applied it already, and only that
-        server can tell a repeat from a new request.
+        A call that got no answer may still have been applied. If its connection broke, it is first
+        repeated on the same server with the same request id (that server answers a repeat without
+        applying it twice). Otherwise an accumulating call goes elsewhere for the input gradient only,
+        and the first server stays the holder of the gradient, in doubt until its stage's ledger tells.
+        Accumulating calls are retried until they succeed (a stage without servers is waited for):
+        giving one up would leave the microbatch in some stages' steps and not in others.
         """
         meta = {"req": req, "stage": stage, "config": self.hash}
         repeat: str | None = None
-        for attempt in range(self.tc.max_attempts):
+        holder: tuple[str, int] | None = None  # (server, epoch) of an unanswered accumulating call
+        attempt = 0
+        while attempt < self.tc.max_attempts or accumulating:
+            if self.stop.is_set():
+                raise MicrobatchFailed(f"stopped during stage {stage} {method}")
             peer = repeat or self._pick(stage, prefer)
             while peer is None:
                 if self.stop.is_set():
                     raise MicrobatchFailed(f"stopped while waiting for a server of stage {stage}")
                 await self._wait_for_server(stage)
                 peer = self._pick(stage, prefer)
+            tracker = self.latency[stage, method]
+            timeout = tracker.timeout(min(self.tc.min_request_timeout, self.tc.request_timeout),
+                                      self.tc.request_timeout)
+            meta.update(epoch=self.stage_epoch[stage], timeout=timeout, accumulate=accumulating and holder is None)
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
             started = time.perf_counter()
             try:
-                reply = await self.client.call(peer, method, meta, tensors, self.tc.request_timeout)
+                reply = await self.client.call(peer, method, meta, tensors, timeout)
             except CallFailed as e:
                 if e.refused:
                     raise MicrobatchFailed(f"stage {stage} refused the request: {e}") from e
                 self.retries += 1
-                if not e.timed_out and repeat is None:
+                attempt += 1
+                if not e.answered and not e.timed_out and repeat is None:
                     repeat = peer
                     log.info("stage %d %s on %s failed (%s); repeating it there", stage, method, short(peer), e)
                 else:
+                    if meta["accumulate"] and not e.answered:
+                        holder = (peer, int(meta["epoch"]))
                     repeat, prefer = None, None
                     self.bans.ban(peer, time.monotonic())
-                    log.info("stage %d %s on %s failed (%s); retrying elsewhere", stage, method, short(peer), e)
-                await asyncio.sleep(backoff_delay(attempt, 0.05, 2.0, self.rng))
+                    log.info("stage %d %s on %s failed (%s); retrying elsewhere%s", stage, method, short(peer), e,
+                             " for the input gradient only" if holder else "")
+                await asyncio.sleep(backoff_delay(min(attempt, 6), 0.05, 2.0, self.rng))
                 continue
             finally:
                 self.inflight[peer] -= 1
+                elapsed = time.perf_counter() - started
                 key = f"{stage}/{method}"
-                self.call_seconds[key] = self.call_seconds.get(key, 0.0) + time.perf_counter() - started
+                self.call_seconds[key] = self.call_seconds.get(key, 0.0) + elapsed
+            tracker.observe(elapsed)
             self.bans.forgive(peer)
-            self.stage_epoch[stage] = max(self.stage_epoch[stage], int(reply[0].get("epoch", 0)))
-            return peer, reply
+            epoch = int(reply[0].get("epoch", 0))
+            self.stage_epoch[stage] = max(self.stage_epoch[stage], epoch)
+            held_by, held_at = holder or (peer, epoch)
+            return Served(peer, reply[0], reply[1], held_by, held_at)
         raise MicrobatchFailed(f"stage {stage} {method} failed on {self.tc.max_attempts} attempts")
+
+    # ---- exactly-once delivery of gradients -----------------------------------------------------
+
+    def _track(self, req: str, stage: int, method: str, tensors: list[torch.Tensor], served: Served) -> None:
+        doubtful = served.holder != served.peer
+        judge_after = time.monotonic() + (self.tc.request_timeout if doubtful else 0.0)
+        self.deliveries[req, stage] = Delivery(req, stage, method, tensors, served.holder, served.epoch, judge_after)
+
+    async def _delivery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.net.announce_period)
+            try:
+                await self._judge_deliveries()
+            except Exception as e:  # a view or a replica that failed to answer: the next pass asks again
+                log.warning("could not check the delivery of gradients: %s", e)
+
+    async def _judge_deliveries(self) -> None:
+        """Ask each stage's most advanced replica (and any other live holder) about our open gradients."""
+        now = time.monotonic()
+        for stage in range(self.num_stages):
+            open_ = [d for d in self.deliveries.values()
+                     if d.stage == stage and not d.replaying and d.judge_after <= now]
+            live = {r.peer_id: r for r in self.view[stage]}
+            if not open_ or not live:
+                continue
+            ask = {max(live.values(), key=lambda r: r.epoch).peer_id}
+            ask |= {d.holder for d in open_ if d.holder in live}
+            answers = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
+            answers = [a for a in answers if a is not None]
+            if not answers:
+                continue
+            for d in open_:
+                verdict = judge(d.epoch, d.holder in live, _merge(answers, d.req), need_durable=not self.done)
+                if verdict is Verdict.DONE:
+                    del self.deliveries[d.req, d.stage]
+                elif verdict is Verdict.REPLAY:
+                    d.replaying = True
+                    task = asyncio.create_task(self._replay(d))
+                    self._replaying.add(task)
+                    task.add_done_callback(self._replaying.discard)
+
+    async def _ask_ledger(self, peer: str, stage: int, open_: list[Delivery]) -> dict | None:
+        meta = {"stage": stage, "ids": [d.req for d in open_]}
+        try:
+            reply, _ = await self.client.call(peer, "ledger", meta, [], self.tc.min_request_timeout)
+        except CallFailed as e:
+            log.debug("ledger of %s did not answer: %s", short(peer), e)
+            return None
+        return reply
+
+    async def _replay(self, d: Delivery) -> None:
+        """Accumulate a lost gradient again, from the stage inputs and output gradient we kept."""
+        try:
+            served = await self._call(d.stage, d.method, d.req, d.tensors, accumulating=True)
+        except MicrobatchFailed as e:
+            log.warning("replay of microbatch %s at stage %d failed: %s", d.req, d.stage, e)
+            d.replaying = False
+            return
+        self.replays += 1
+        log.info("microbatch %s: stage %d gradient lost with %s, accumulated again on %s",
+                 d.req, d.stage, short(d.holder), short(served.holder))
+        self._track(d.req, d.stage, d.method, d.tensors, served)
+
+    async def _settle(self) -> None:
+        """After the last microbatch: wait (bounded) until every gradient we sent is in a step."""
+        deadline = time.monotonic() + self.tc.settle_timeout
+        while self.deliveries and time.monotonic() < deadline and not self.stop.is_set():
+            await asyncio.sleep(0.1)
+        self.unresolved = len(self.deliveries)
+        if self.unresolved:
+            log.warning("%d microbatch gradients not confirmed in a step after %.0fs", self.unresolved,
+                        self.tc.settle_timeout)
 
     async def _wait_for_server(self, stage: int) -> None:
         if self.view[stage]:  # servers exist but all are banned: wait for the first ban to run out
@@ -237,15 +396,16 @@ class Trainer:
             await asyncio.sleep(self.cfg.net.announce_period / 2)
             try:
                 await self._refresh()
-                await self._announce(done=False)
+                await self._announce()
             except Exception as e:
                 log.warning("could not refresh the swarm view: %s", e)
 
-    async def _announce(self, done: bool) -> None:
+    async def _announce(self) -> None:
+        """`done` tells servers that no new microbatch will come, so they may flush what they hold."""
         recent = self.completed[-20:]
         loss = sum(c.loss for c in recent) / len(recent) if recent else float("nan")
-        record = TrainerRecord(self.peer_id, self._samples(), self.failed, loss, done)
-        await self.directory.announce_trainer(record, ttl=60.0 if done else None)
+        record = TrainerRecord(self.peer_id, self._samples(), self.failed, loss, self.done)
+        await self.directory.announce_trainer(record, ttl=60.0 if self.done else None)
 
     def _write_summary(self) -> None:
         if not hasattr(self, "peer_id"):
@@ -259,8 +419,22 @@ class Trainer:
             "samples": self._samples(),
             "failed": self.failed,
             "retries": self.retries,
+            "replays": self.replays,
+            "unresolved": self.unresolved,
             "started": getattr(self, "started", None),
             "call_seconds": self.call_seconds,
-            "completed": [[c.time, c.samples, c.loss, c.epoch] for c in self.completed],
+            "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.completed],
         }
         (out / f"trainer-{self.tc.index}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary))
+
+
+def _merge(answers: list[dict], req: str) -> LedgerAnswer:
+    """What the replicas asked know of one microbatch: the most advanced epoch, a commit or a hold
+    anywhere, and the durability of the replica that reported the commit."""
+    committed = [(int(a["committed"][req]), int(a["durable"])) for a in answers if req in a.get("committed", {})]
+    return LedgerAnswer(
+        epoch=max(int(a["epoch"]) for a in answers),
+        committed_at=min(committed)[0] if committed else None,
+        pending=any(req in a.get("pending", []) for a in answers),
+        durable=max((d for _, d in committed), default=max(int(a["durable"]) for a in answers)),
+    )

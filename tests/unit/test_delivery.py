@@ -1,0 +1,43 @@
+"""When a trainer forgets a stage gradient, waits for it, or accumulates it again."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarm.core import LedgerAnswer, Verdict, judge
+
+
+def answer(epoch: int = 5, committed_at: int | None = None, pending: bool = False, durable: int = 5) -> LedgerAnswer:
+    return LedgerAnswer(epoch, committed_at, pending, durable)
+
+
+@pytest.mark.parametrize(
+    ("accumulated_at", "holder_alive", "reply", "expected"),
+    [
+        # a step took it in, and that step is on disk
+        (4, True, answer(committed_at=5), Verdict.DONE),
+        (4, False, answer(committed_at=5), Verdict.DONE),
+        # committed but not yet checkpointed: the stage could still lose it
+        (4, True, answer(committed_at=5, durable=2), Verdict.WAIT),
+        # still held, unstepped, by a replica of the stage
+        (5, True, answer(pending=True), Verdict.WAIT),
+        (5, False, answer(pending=True), Verdict.WAIT),
+        # the stage stepped past its epoch without it: the holder dropped it (died, left, caught up)
+        (4, True, answer(epoch=5), Verdict.REPLAY),
+        # the holder is gone before the stage stepped: its gradient went with it
+        (5, False, answer(epoch=5), Verdict.REPLAY),
+        # the holder is alive and the stage has not stepped yet: it will come
+        (5, True, answer(epoch=5), Verdict.WAIT),
+        # the stage lost steps (all its replicas died; a newcomer resumed from an older checkpoint)
+        (7, False, answer(epoch=3, durable=3), Verdict.REPLAY),
+    ],
+)
+def test_verdicts(accumulated_at: int, holder_alive: bool, reply: LedgerAnswer, expected: Verdict) -> None:
+    assert judge(accumulated_at, holder_alive, reply) is expected
+
+
+def test_at_the_end_of_a_run_a_commit_is_enough() -> None:
+    """The last steps reach the disk only when servers stop, so a settling trainer accepts a commit."""
+    reply = answer(committed_at=9, durable=5)
+    assert judge(8, True, reply) is Verdict.WAIT
+    assert judge(8, True, reply, need_durable=False) is Verdict.DONE
