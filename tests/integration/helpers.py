@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ from swarm.config import SwarmConfig, config_hash, load_config
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.net.transport import StageClient
+from swarm.ops.local import LocalSwarm
+from swarm.ops.report import write_report
 
 
 def small_config(run_dir: Path, *extra: str) -> SwarmConfig:
@@ -61,3 +64,50 @@ def tracebacks(run_dir: Path) -> dict[str, str]:
         if "Traceback" in text:
             found[log.name] = text[text.index("Traceback") - 200 :][:2000]
     return found
+
+
+def assert_replicas_in_step(summary: dict, run_dir) -> None:
+    """Every step left all replicas of a stage with bit-identical weights (equal parameter digests)."""
+    for path in (run_dir / "peers").glob("server-*.json"):
+        server = json.loads(path.read_text())
+        for other in (run_dir / "peers").glob(f"server-s{server['stage']}-*.json"):
+            theirs = {s["epoch"]: s["digest"] for s in json.loads(other.read_text())["steps"]}
+            for step in server["steps"]:
+                if step["epoch"] in theirs:
+                    assert step["digest"] == theirs[step["epoch"]], f"stage {server['stage']} diverged at {step}"
+
+
+def assert_states_equal(cfg, swarm: LocalSwarm) -> None:
+    for stage in range(cfg.model.num_stages):
+        states = list(fetch_stage_states(cfg, swarm.initial_peers, stage).values())
+        assert len(states) >= 1
+        for other in states[1:]:
+            worst = max(float((a - b).abs().max()) for a, b in zip(states[0], other, strict=True))
+            assert worst <= 1e-6, f"stage {stage} replicas differ by {worst}"
+
+
+def assert_exactly_once(summary: dict, orphans_allowed: bool = False) -> None:
+    """Every completed microbatch entered exactly one step of every stage, and nothing else did (but
+    microbatches of a killed trainer, with `orphans_allowed`); every step of every stage is accounted
+    for, and its replicas agree on what it took in."""
+    assert summary["unresolved"] == 0, summary
+    for stage, info in summary["stages"].items():
+        delivery = dict(info["delivery"])
+        if orphans_allowed:
+            delivery.pop("not_completed")
+        expected = {"steps_seen": info["steps"], "conflicting_steps": 0, "duplicated": 0, "missing": 0}
+        assert delivery == {**expected, **({} if orphans_allowed else {"not_completed": 0})}, (stage, delivery)
+        if not orphans_allowed:
+            assert info["samples_stepped"] == summary["samples_completed"], (stage, info)
+
+
+def run_swarm(swarm: LocalSwarm, on_status=None) -> dict:
+    """Run the swarm to the end, check replicas' final states while they are up, and report."""
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False, on_status=on_status)
+        assert_states_equal(swarm.cfg, swarm)
+    finally:
+        swarm.stop()
+    assert not tracebacks(swarm.run_dir)
+    return write_report(swarm.run_dir)

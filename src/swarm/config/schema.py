@@ -103,6 +103,9 @@ class NetConfig:
     record_ttl: float = 6.0  # seconds an announcement lives unless renewed
     max_payload_mb: float = 64.0  # requests larger than this are refused
     allreduce_timeout: float = 15.0  # seconds a stage all-reduce may take before it is retried
+    # a JSON file of message delay/loss rules for this peer's stage calls (fault injection; see
+    # swarm.net.faultfile); empty for none
+    fault_file: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.run_id) and "." not in self.run_id, "net.run_id", "must be non-empty without '.'")

@@ -16,6 +16,7 @@ import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
+from swarm.net.faultfile import FaultFile
 from swarm.net.protocol import decode, encode
 from swarm.wire.validate import BadRequest, Unavailable
 
@@ -44,11 +45,14 @@ class StageHandler(Protocol):
 
 
 class StageServicer(ServicerBase):
-    def __init__(self, handler: StageHandler):
+    def __init__(self, handler: StageHandler, faults: FaultFile | None = None):
         self.handler = handler
+        self.faults = faults
 
     async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
         caller = context.remote_id.to_base58()
+        if self.faults is not None:
+            await self.faults.apply()
         try:
             meta, tensors = await decode(requests, self.handler.max_request_bytes)
             reply: Reply = await handler(meta, tensors, caller)

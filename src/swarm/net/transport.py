@@ -16,6 +16,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from swarm.net.faultfile import FaultFile
 from swarm.net.protocol import decode, encode
 from swarm.net.servicer import StageServicer
 
@@ -34,8 +35,9 @@ class CallFailed(Exception):
 
 
 class StageClient:
-    def __init__(self, p2p: P2P):
+    def __init__(self, p2p: P2P, faults: FaultFile | None = None):
         self.p2p = p2p
+        self.faults = faults
 
     async def call(
         self,
@@ -48,6 +50,8 @@ class StageClient:
         stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
 
         async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
+            if self.faults is not None:
+                await self.faults.apply()
             requests = encode(runtime_pb2.ExpertRequest, meta, tensors)
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
             return await decode(stream, REPLY_LIMIT_BYTES)

@@ -35,6 +35,7 @@ class Peer:
     process: subprocess.Popen
     log_path: Path
     stage: int | None = None
+    killed: bool = False  # on purpose (a fault injected): its exit is expected, not a failure
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -45,6 +46,7 @@ class Peer:
 
     def signal(self, sig: int) -> None:
         """Signal the peer's whole process group; a peer already gone is not an error."""
+        self.killed = self.killed or sig == signal.SIGKILL
         try:
             os.killpg(self.process.pid, sig)
         except ProcessLookupError:
@@ -55,12 +57,18 @@ class Peer:
 class SwarmStatus:
     epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
     pending: int = 0  # samples accumulated but not yet stepped, over all servers
+    pending_by_stage: dict[int, int] = field(default_factory=dict)
     trainer_samples: int = 0
     loss: float = float("nan")
 
     @property
     def min_epoch(self) -> int:
         return min((min(e) for e in self.epochs.values() if e), default=0)
+
+
+def fault_file(run_dir: Path, peer_name: str) -> Path:
+    """Where a local peer reads the message delay/loss rules a fault injector sets for it."""
+    return Path(run_dir) / "faults" / f"{peer_name}.json"
 
 
 class LocalSwarm:
@@ -74,14 +82,23 @@ class LocalSwarm:
     # ---- starting peers ----------------------------------------------------------------------
 
     def _spawn(
-        self, role: str, name: str, overrides: list[str], stage: int | None = None, extra: tuple[str, ...] = ()
+        self,
+        role: str,
+        name: str,
+        overrides: list[str],
+        stage: int | None = None,
+        extra: tuple[str, ...] = (),
+        wrap: tuple[str, ...] = (),
     ) -> Peer:
+        """Start one peer in its own process session; `wrap` prefixes the command (e.g. `ip netns exec`)."""
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
         threads = str(self.cfg.local.threads_per_peer)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
+        cmd = [*wrap, sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
+        if role != "dht":  # a fault injector may delay or drop this peer's messages through this file
+            overrides = [*overrides, f'net.fault_file="{fault_file(self.run_dir, name)}"']
         for o in overrides:
             cmd += ["--set", o]
         cmd += extra
@@ -116,10 +133,10 @@ class LocalSwarm:
     def _peers_override(self) -> str:
         return "net.initial_peers=[" + ",".join(f'"{a}"' for a in self.initial_peers) + "]"
 
-    def add_server(self, stage: int, overrides: tuple[str, ...] = ()) -> Peer:
+    def add_server(self, stage: int, overrides: tuple[str, ...] = (), wrap: tuple[str, ...] = ()) -> Peer:
         self._counter += 1
         args = [self._peers_override(), f"server.stage={stage}", *overrides]
-        return self._spawn("server", f"server-s{stage}-{self._counter}", args, stage)
+        return self._spawn("server", f"server-s{stage}-{self._counter}", args, stage, wrap=wrap)
 
     def add_trainer(self, index: int) -> Peer:
         overrides = [
@@ -148,7 +165,8 @@ class LocalSwarm:
         status = SwarmStatus()
         for stage, records in (await directory.stages(self.cfg.model.num_stages)).items():
             status.epochs[stage] = sorted(r.epoch for r in records)
-            status.pending += sum(r.pending for r in records)
+            status.pending_by_stage[stage] = sum(r.pending for r in records)
+            status.pending += status.pending_by_stage[stage]
         trainers = await directory.trainers()
         status.trainer_samples = sum(t.completed for t in trainers)
         losses = [t.loss for t in trainers if t.loss == t.loss]
@@ -182,7 +200,7 @@ class LocalSwarm:
                     + "/".join(str(len(status.epochs.get(k, []))) for k in range(self.cfg.model.num_stages))
                 )
                 for p in self.trainers():
-                    if p.process.poll() not in (None, 0):
+                    if p.process.poll() not in (None, 0) and not p.killed:
                         code, tail = p.process.returncode, p.log_tail()
                         raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
                 trainers_over = all(not p.alive() for p in self.trainers())

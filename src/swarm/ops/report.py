@@ -31,8 +31,11 @@ def collect(run_dir: Path) -> dict[str, Any]:
         )
         # every replica logs the whole stage's sample count for the steps it took part in
         step_samples.setdefault(s["stage"], {}).update({step["epoch"]: step["samples"] for step in s["steps"]})
+        known = step_ids.setdefault(s["stage"], {})
         for step in s["steps"]:
-            step_ids.setdefault(s["stage"], {}).setdefault(step["epoch"], []).append(step["ids"])
+            known.setdefault(step["epoch"], []).append(step["ids"])
+        for epoch, ids in s.get("ledger", {}).items():  # steps it loaded from a peer or a checkpoint
+            known.setdefault(int(epoch), []).append(ids)
     completed_ids = {f"{t['peer_id']}/{c[4]}" for t in trainers for c in t["completed"]}
     for stage, st in stages.items():
         st["delivery"] = delivery(step_ids.get(stage, {}), completed_ids)

@@ -289,9 +289,15 @@ class StageRuntime:
             for key, value in sorted(st.items()):
                 opt_keys.append([index, key])
                 tensors.append(torch.as_tensor(value).detach().cpu().clone())
-        ledger = [[epoch, [r for r, e in self.committed.items() if e == epoch]]
-                  for epoch in sorted(set(self.committed.values()))]
+        ledger = [[epoch, ids] for epoch, ids in self.ledger().items()]
         return {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger}, tensors
+
+    def ledger(self) -> dict[int, list[str]]:
+        """The microbatches of each remembered step, by the epoch it produced."""
+        steps: dict[int, list[str]] = {}
+        for req_id, epoch in self.committed.items():
+            steps.setdefault(epoch, []).append(req_id)
+        return {epoch: sorted(ids) for epoch, ids in sorted(steps.items())}
 
     def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         names, opt_keys = meta["names"], meta["opt_keys"]

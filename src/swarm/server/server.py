@@ -27,6 +27,7 @@ from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mism
 from swarm.core import RateMeter, backoff_delay, expected_group, stage_ready
 from swarm.model import load_stages
 from swarm.net.directory import Directory, short
+from swarm.net.faultfile import FaultFile
 from swarm.net.node import start_dht, visible_addresses
 from swarm.net.servicer import StageServicer
 from swarm.net.transport import CallFailed, StageClient
@@ -97,7 +98,6 @@ class StageServer:
         self._batch_waits: dict[BatchGraph, dict[str, tuple[torch.Tensor, asyncio.Future]]] = {}
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
-        self._saw_trainers = False
         self._alone_since = math.inf  # since when no other replica of the stage is in view
         self._peers_at_epoch: tuple[int, set[str]] = (-1, set())  # other replicas last seen at our epoch
         self._announced_pending = 0
@@ -138,13 +138,14 @@ class StageServer:
         try:
             self.peer_id = self.dht.peer_id.to_base58()
             p2p = await self.dht.replicate_p2p()
-            self.client = StageClient(p2p)
+            faults = FaultFile(cfg.net.fault_file) if cfg.net.fault_file else None
+            self.client = StageClient(p2p, faults)
             self.directory = Directory(self.dht, cfg.net.run_id, cfg.net.record_ttl)
             self.allreduce = StageAllReduce(
                 self.client, self.peer_id, self.stage, cfg.net.allreduce_timeout, self._on_wake
             )
             await self._check_configs()
-            await StageServicer(self).add_p2p_handlers(p2p)
+            await StageServicer(self, faults).add_p2p_handlers(p2p)
             self._resume_from_disk()
             ahead = [r for r in await self.directory.stage(self.stage) if r.epoch > self.runtime.epoch]
             if ahead:
@@ -539,8 +540,8 @@ class StageServer:
         self._behind_since = {p: self._behind_since.get(p, now) for p in behind}
         if any(now - since < grace for since in self._behind_since.values()):
             return None
-        if not view and now - self._alone_since < grace:
-            return None
+        if not view and (now - self._alone_since < grace or not await self.directory.trainers()):
+            return None  # alone with no trainer in view: more likely cut off from the swarm than its last replica
         return expected_group(self.peer_id, peers)
 
     async def _resolve_divergence(self, error: WeightsDiverged) -> None:
@@ -557,11 +558,10 @@ class StageServer:
         """All trainers finished: flush what the stage still holds, so no completed sample is left out."""
         if self.runtime.pending_samples + sum(peers.values()) == 0:
             return False
+        # every trainer in view said it sends no more (a killed trainer's record expires; a replica that
+        # sees no trainer at all may be cut off from the swarm, and must not step on its own)
         trainers = await self.directory.trainers()
-        if trainers:
-            self._saw_trainers = True
-        # all done, or all gone (killed trainers never say done; their records just expire)
-        return all(t.done for t in trainers) if trainers else self._saw_trainers
+        return bool(trainers) and all(t.done for t in trainers)
 
     async def _step_round(self, epoch: int, group: tuple[str, ...]) -> None:
         async with self._gate:
@@ -654,6 +654,8 @@ class StageServer:
             "fast_backwards": runtime.fast_backwards,
             "recomputed_backwards": runtime.recomputed_backwards,
             "duplicates": runtime.duplicates,
+            # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
+            "ledger": {str(e): ids for e, ids in runtime.ledger().items()},
             "throughput": self.meter.rate,
             "busy_seconds": self.busy_seconds,
             "alive_seconds": time.time() - self.started,

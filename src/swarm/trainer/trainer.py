@@ -42,6 +42,7 @@ from swarm.core import (
 )
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
+from swarm.net.faultfile import FaultFile
 from swarm.net.node import start_dht
 from swarm.net.transport import CallFailed, StageClient
 from swarm.wire.records import ServerRecord, TrainerRecord
@@ -129,7 +130,8 @@ class Trainer:
         self.dht = start_dht(self.cfg.net, client_mode=True)
         try:
             self.peer_id = self.dht.peer_id.to_base58()
-            self.client = StageClient(await self.dht.replicate_p2p())
+            faults = FaultFile(self.cfg.net.fault_file) if self.cfg.net.fault_file else None
+            self.client = StageClient(await self.dht.replicate_p2p(), faults)
             self.directory = Directory(self.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
             self.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
@@ -246,7 +248,7 @@ class Trainer:
             tracker = self.latency[stage, method]
             timeout = tracker.timeout(min(self.tc.min_request_timeout, self.tc.request_timeout),
                                       self.tc.request_timeout)
-            meta.update(epoch=self.stage_epoch[stage], timeout=timeout, accumulate=accumulating and holder is None)
+            meta.update(epoch=self._live_epoch(stage), timeout=timeout, accumulate=accumulating and holder is None)
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
             started = time.perf_counter()
             try:
@@ -352,6 +354,11 @@ class Trainer:
         if self.unresolved:
             log.warning("%d microbatch gradients not confirmed in a step after %.0fs", self.unresolved,
                         self.tc.settle_timeout)
+
+    def _live_epoch(self, stage: int) -> int:
+        """The stage's epoch as its live replicas announce it: a replica behind it must not serve us.
+        (Not the highest epoch ever seen: a stage whose replicas all died restarts from a checkpoint.)"""
+        return max((r.epoch for r in self.view[stage]), default=0)
 
     async def _wait_for_server(self, stage: int) -> None:
         if self.view[stage]:  # servers exist but all are banned: wait for the first ban to run out

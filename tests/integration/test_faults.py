@@ -1,0 +1,213 @@
+"""Real faults injected into a real swarm: the run reaches its target, replicas end identical, every
+completed microbatch is in exactly one step of every stage, and no process dies with a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from swarm.ops import netlab
+from swarm.ops.faults import FaultInjector
+from swarm.ops.local import LocalSwarm, Peer
+
+from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, small_config
+
+pytestmark = pytest.mark.integration
+
+
+def short_id(peer: Peer) -> str:
+    """The shortened peer id a server logs itself under (what trainers' log lines name it by)."""
+    found = re.search(r"server (…\S+) up on", peer.log_path.read_text())
+    assert found, peer.log_tail()
+    return found.group(1)
+
+
+def server_summary(run_dir, peer: Peer) -> dict:
+    sid = short_id(peer)[1:]
+    (path,) = [p for p in (run_dir / "peers").glob(f"server-s{peer.stage}-*.json")
+               if json.loads(p.read_text())["peer_id"].endswith(sid)]
+    return json.loads(path.read_text())
+
+
+def trainer_logs(swarm: LocalSwarm) -> str:
+    return "".join(p.log_path.read_text() for p in swarm.trainers())
+
+
+def assert_finished(summary: dict, cfg) -> None:
+    for stage, info in summary["stages"].items():
+        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+    assert summary["final_loss"] < summary["first_loss"] - 0.3, summary
+
+
+@pytest.mark.timeout(300)
+def test_a_server_killed_with_forwards_and_backwards_in_flight(tmp_path):
+    """A stage-0 server (it serves forwards and backwards) is slowed so calls pile up on it, then
+    killed: the calls it had fail, trainers redo them elsewhere, and the gradients it held unstepped are
+    accumulated again from what the trainers kept."""
+    cfg = small_config(tmp_path, "trainer.target_steps=10")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(swarm)
+    victim: list[Peer] = []
+
+    def inject(status) -> None:
+        if not victim and status.min_epoch >= 3:
+            victim.append(swarm.servers(stage=0)[0])
+            faults.delay(victim[0], seconds=0.5)
+        elif len(faults.events) == 1 and time.time() - faults.events[0].time > 2.0:
+            faults.kill(victim[0])
+
+    summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["delay", "kill"]
+    failed_there = re.findall(rf"stage 0 (forward|backward) on {short_id(victim[0])} failed", trainer_logs(swarm))
+    assert failed_there, "no call was in flight on the victim when it died"
+    assert summary["replays"] >= 1  # its unstepped gradients were accumulated again elsewhere
+    assert_finished(summary, cfg)
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_server_killed_during_an_all_reduce(tmp_path):
+    """Killed once its stage has a batch ready (its slowed messages keep the round open): the survivor's
+    round fails, it steps without the dead replica, and nothing is lost or doubled."""
+    cfg = small_config(tmp_path, "trainer.target_steps=10")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(swarm)
+
+    def inject(status) -> None:
+        if not faults.events and status.min_epoch >= 3:
+            faults.delay(swarm.servers(stage=1)[0], seconds=1.0)
+        elif len(faults.events) == 1 and status.pending_by_stage.get(1, 0) >= cfg.optim.target_batch_size:
+            faults.kill(swarm.servers(stage=1)[0])
+
+    summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["delay", "kill"]
+    (survivor,) = summary["stages"]["1"]["replicas"]
+    assert survivor["failed_rounds"] >= 1  # the round in progress died with the victim
+    assert_finished(summary, cfg)
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_server_catches_up_before_it_serves_again(tmp_path):
+    """SIGSTOP for longer than every timeout, then SIGCONT: the stage stepped on without the frozen
+    replica, which must download the current state (not serve its stale weights) and rejoin."""
+    cfg = small_config(tmp_path, "trainer.target_steps=14")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(swarm)
+    frozen_for = cfg.trainer.request_timeout + cfg.net.record_ttl
+    frozen: list[Peer] = []
+
+    def inject(status) -> None:
+        if not frozen and status.min_epoch >= 3:
+            frozen.append(swarm.servers(stage=1)[0])
+            faults.freeze(frozen[0])
+        elif len(faults.events) == 1 and time.time() - faults.events[0].time > frozen_for:
+            faults.thaw(frozen[0])
+
+    summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["freeze", "thaw"]
+    victim = frozen[0]
+    thawed = server_summary(tmp_path, victim)
+    assert thawed["catch_ups"] >= 1, thawed
+    victim_log = victim.log_path.read_text()
+    assert "loaded epoch" in victim_log
+    # it took part in steps again after catching up, at the stage's epoch
+    caught_up = int(re.findall(r"loaded epoch (\d+)", victim_log)[-1])
+    assert any(s["epoch"] > caught_up and s["group"] == 2 for s in thawed["steps"]), thawed["steps"]
+    assert_finished(summary, cfg)
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_every_server_of_a_stage_killed_then_a_new_one_started(tmp_path):
+    """The stage's state survives in its checkpoints: the newcomer resumes from the newest one, and
+    gradients of steps that were lost with the stage (not yet on disk) are accumulated again."""
+    checkpoints = tmp_path / "checkpoints"
+    cfg = small_config(tmp_path, "trainer.target_steps=10", f'server.checkpoint_dir="{checkpoints}"',
+                       "server.checkpoint_every=1")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(swarm)
+    newcomer: list[Peer] = []
+
+    def inject(status) -> None:
+        if not faults.events and status.min_epoch >= 3:
+            for server in swarm.servers(stage=1):
+                faults.kill(server)
+        elif faults.events and not newcomer and not status.epochs.get(1):  # the stage has no server left
+            newcomer.append(swarm.add_server(1))
+
+    summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["kill", "kill"]
+    assert "resumed from checkpoint at epoch" in newcomer[0].log_path.read_text()
+    assert "no live server for stage 1" in trainer_logs(swarm)
+    assert_finished(summary, cfg)
+    assert_exactly_once(summary)
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_with_microbatches_in_flight(tmp_path):
+    """The other trainer carries the run to its target; nothing is counted twice, including the dead
+    trainer's microbatches that some stages had already taken in."""
+    cfg = small_config(tmp_path, "trainer.target_steps=10")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(swarm)
+
+    def inject(status) -> None:
+        if not faults.events and status.min_epoch >= 3:
+            faults.kill(swarm.trainers()[1])
+
+    summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["kill"]
+    assert_finished(summary, cfg)
+    assert_exactly_once(summary, orphans_allowed=True)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0 or not netlab.available(), reason="network namespaces need root and iproute2")
+def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
+    """A stage-1 server on its own network namespace is cut off (DHT included) for longer than the
+    timeouts, then reconnected: it must not step alone while cut off, and it catches up after."""
+    with netlab.NetLab(1 + os.getpid() % 250) as lab:
+        cfg = small_config(tmp_path, "trainer.target_steps=14", f'net.host="{lab.gateway}"')
+        swarm = LocalSwarm(cfg)
+        faults = FaultInjector(swarm, lab)
+        cut_for = cfg.trainer.request_timeout + cfg.net.record_ttl
+        isolated: list[Peer] = []
+
+        def start() -> None:
+            swarm.start_bootstrap()
+            for stage in (0, 0, 1):
+                swarm.add_server(stage)
+            isolated.append(faults.add_server_in_namespace(1))
+            for index in range(cfg.local.trainers):
+                swarm.add_trainer(index)
+
+        def inject(status) -> None:
+            if not faults.events and status.min_epoch >= 3 and len(status.epochs.get(1, [])) == 2:
+                faults.cut(isolated[0])
+            elif len(faults.events) == 1 and time.time() - faults.events[0].time > cut_for:
+                faults.heal(isolated[0])
+
+        swarm.start = start
+        summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["cut", "heal"]
+    healed = server_summary(tmp_path, isolated[0])
+    assert healed["catch_ups"] >= 1, healed
+    assert all(s["group"] == 2 for s in healed["steps"])  # it never stepped alone
+    assert_finished(summary, cfg)
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
