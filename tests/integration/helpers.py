@@ -97,8 +97,7 @@ def assert_exactly_once(summary: dict, orphans_allowed: bool = False) -> None:
             delivery.pop("not_completed")
         expected = {"steps_seen": info["steps"], "conflicting_steps": 0, "duplicated": 0, "missing": 0}
         assert delivery == {**expected, **({} if orphans_allowed else {"not_completed": 0})}, (stage, delivery)
-        if not orphans_allowed:
-            assert info["samples_stepped"] == summary["samples_completed"], (stage, info)
+
 
 
 def run_swarm(swarm: LocalSwarm, on_status=None) -> dict:

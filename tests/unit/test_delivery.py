@@ -17,8 +17,10 @@ def answer(epoch: int = 5, committed_at: int | None = None, pending: bool = Fals
         # a step took it in, and that step is on disk
         (4, True, answer(committed_at=5), Verdict.DONE),
         (4, False, answer(committed_at=5), Verdict.DONE),
-        # committed but not yet checkpointed: the stage could still lose it
+        # committed by a step no second replica took and not on disk: the stage could still lose it
         (4, True, answer(committed_at=5, durable=2), Verdict.WAIT),
+        # ... until it is old enough that keeping it longer would cost too much memory
+        (4, True, answer(epoch=9, committed_at=5, durable=2), Verdict.DONE),
         # still held, unstepped, by a replica of the stage
         (5, True, answer(pending=True), Verdict.WAIT),
         (5, False, answer(pending=True), Verdict.WAIT),
@@ -34,6 +36,12 @@ def answer(epoch: int = 5, committed_at: int | None = None, pending: bool = Fals
 )
 def test_verdicts(accumulated_at: int, holder_alive: bool, reply: LedgerAnswer, expected: Verdict) -> None:
     assert judge(accumulated_at, holder_alive, reply) is expected
+
+
+def test_keep_epochs_bounds_what_is_kept() -> None:
+    reply = answer(epoch=12, committed_at=10, durable=0)
+    assert judge(9, True, reply, keep_epochs=2) is Verdict.DONE
+    assert judge(9, True, reply, keep_epochs=3) is Verdict.WAIT
 
 
 def test_at_the_end_of_a_run_a_commit_is_enough() -> None:

@@ -144,7 +144,8 @@ class StageAllReduce:
         except (TimeoutError, CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e
-            raise RoundFailed(f"epoch {epoch} with {len(group)} peers: {e}") from e
+            members = ",".join(map(short, group))
+            raise RoundFailed(f"epoch {epoch} with [{members}]: {type(e).__name__} {e}".rstrip()) from e
         finally:
             for task in tasks:
                 task.cancel()

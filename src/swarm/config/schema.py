@@ -173,13 +173,16 @@ class TrainerConfig:
     min_request_timeout: float = 5.0
     # after its last microbatch, how long a trainer waits for the stages to confirm every gradient
     settle_timeout: float = 60.0
+    # a stage gradient that only one replica's step holds (no second replica, no checkpoint) is kept for
+    # replay until the stage is this many steps further: memory against losing a lone replica's steps
+    keep_epochs: int = 4
     ban_seconds: float = 15.0  # a server that failed is not picked again for this long
     max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
     index: int = 0  # this trainer's data shard
     num_trainers: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers"):
+        for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers", "keep_epochs"):
             _require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
         for name in ("request_timeout", "min_request_timeout", "settle_timeout"):
             _require(getattr(self, name) > 0, f"trainer.{name}", "must be positive")

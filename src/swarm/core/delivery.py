@@ -6,7 +6,8 @@ again (the stage's inputs and output gradient) until the stage's ledger says a s
 that step is on disk. It asks one up-to-date replica of the stage about its open microbatches and
 judges each from the answer:
 
-- committed by a step that is durable: done, forget it;
+- committed by a step that is durable (another replica took the same step, or it is on disk), or
+  that is `keep_epochs` old (the bound on what a trainer keeps for a stage no one else can back): done;
 - committed, not yet durable, or still held unstepped by some replica: wait;
 - neither, and the stage has stepped past the epoch the gradient was accumulated in (the replica that
   held it died, left, or dropped it to catch up), or the replica that held it is gone: send it again.
@@ -34,18 +35,20 @@ class LedgerAnswer:
     epoch: int  # the replica's epoch
     committed_at: int | None  # the epoch of the step that took the microbatch in, if its ledger has it
     pending: bool  # held in this replica's unstepped gradient
-    durable: int  # the newest epoch in the stage's checkpoints (the current epoch if it keeps none)
+    durable: int  # the newest epoch that outlives this replica: taken by two or more replicas, or on disk
 
 
-def judge(accumulated_at: int, holder_alive: bool, answer: LedgerAnswer, need_durable: bool = True) -> Verdict:
+def judge(
+    accumulated_at: int, holder_alive: bool, answer: LedgerAnswer, keep_epochs: int = 4, need_durable: bool = True
+) -> Verdict:
     """The verdict on a gradient accumulated at epoch `accumulated_at` by a replica that is (or not)
     still in the stage's directory, given an answer from the most advanced replica of the stage.
 
-    `need_durable` False accepts a commit not yet on disk: at the end of a run the last steps are
-    checkpointed only when servers stop.
+    `need_durable` False accepts any commit: at the end of a run nothing more is coming to make the
+    last steps durable.
     """
     if answer.committed_at is not None:
-        durable = answer.committed_at <= answer.durable or not need_durable
+        durable = answer.committed_at <= max(answer.durable, answer.epoch - keep_epochs) or not need_durable
         return Verdict.DONE if durable else Verdict.WAIT
     if answer.pending:
         return Verdict.WAIT

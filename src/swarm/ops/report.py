@@ -31,11 +31,19 @@ def collect(run_dir: Path) -> dict[str, Any]:
         )
         # every replica logs the whole stage's sample count for the steps it took part in
         step_samples.setdefault(s["stage"], {}).update({step["epoch"]: step["samples"] for step in s["steps"]})
-        known = step_ids.setdefault(s["stage"], {})
-        for step in s["steps"]:
-            known.setdefault(step["epoch"], []).append(step["ids"])
-        for epoch, ids in s.get("ledger", {}).items():  # steps it loaded from a peer or a checkpoint
-            known.setdefault(int(epoch), []).append(ids)
+        step_ids.setdefault(s["stage"], {})
+    for stage, known in step_ids.items():
+        # the ledgers of the replicas' final states are the stage's history (steps of a replica that
+        # later took a peer's state are superseded); older steps come from the step logs
+        replicas = [s for s in servers if s["stage"] == stage]
+        for s in replicas:
+            for epoch, ids in s.get("ledger", {}).items():
+                known.setdefault(int(epoch), []).append(ids)
+        in_ledgers = set(known)
+        for s in replicas:
+            for step in s["steps"]:
+                if step["epoch"] not in in_ledgers:
+                    known.setdefault(step["epoch"], []).append(step["ids"])
     completed_ids = {f"{t['peer_id']}/{c[4]}" for t in trainers for c in t["completed"]}
     for stage, st in stages.items():
         st["delivery"] = delivery(step_ids.get(stage, {}), completed_ids)

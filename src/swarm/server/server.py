@@ -16,7 +16,7 @@ import random
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +56,26 @@ def _accumulate(meta: dict[str, Any]) -> bool:
     return meta.get("accumulate", True) is not False
 
 
-def _expiry(meta: dict[str, Any]) -> float:
-    """When the caller stops waiting for this request, on our own clock (measured from its arrival)."""
-    timeout = meta.get("timeout")
-    return time.monotonic() + timeout if isinstance(timeout, int | float) and timeout > 0 else math.inf
+@dataclass(frozen=True)
+class Deadline:
+    """When a request is no longer worth applying. `arrival_bound`: the caller's timeout counted from
+    the request's arrival, on our clock. `wall`: the caller's own bound on the wall clock, which holds
+    even for requests that sat in buffers while this process was frozen; the caller sets it well before
+    it would send the work elsewhere, leaving room for clocks that disagree by seconds."""
+
+    arrival_bound: float = math.inf
+    wall: float = math.inf
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.arrival_bound or time.time() > self.wall
+
+
+def _expiry(meta: dict[str, Any]) -> Deadline:
+    timeout, wall = meta.get("timeout"), meta.get("deadline")
+    return Deadline(
+        time.monotonic() + timeout if isinstance(timeout, int | float) and timeout > 0 else math.inf,
+        float(wall) if isinstance(wall, int | float) else math.inf,
+    )
 
 
 def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module]) -> tuple[TensorSpec, TensorSpec | None]:
@@ -103,7 +119,8 @@ class StageServer:
         self._announced_pending = 0
         self._round_epoch: int | None = None  # the epoch whose step round is running
         self._stale_logged = -1  # the last epoch at which this replica said it is behind
-        self._durable_epoch = -1  # the newest epoch this replica's checkpoints hold
+        self._durable_epoch = 0  # the newest epoch that outlives this replica (see `ledger`)
+        self._lapsed = False  # the process stalled so long that its DHT record may have lapsed
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -224,24 +241,54 @@ class StageServer:
         await self.directory.announce_server(record)
         self._announced_pending = record.pending
 
+    async def _announce_quietly(self) -> None:
+        try:
+            await self._announce()
+        except Exception as e:  # the DHT may be briefly unreachable; the next announcement retries
+            log.warning("announcement failed: %s", e)
+
     async def _announce_loop(self) -> None:
         """Re-announce every period, and sooner while gradients accumulate: replicas decide when the
-        stage steps from each other's announced sample counts, so stale counts mean oversized steps."""
-        last = time.monotonic()
+        stage steps from each other's announced sample counts, so stale counts mean oversized steps.
+
+        The loop also notices when this process stalled (it was frozen) for so long that its record
+        may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall.
+        """
+        period, ttl = self.cfg.net.announce_period, self.cfg.net.record_ttl
+        last = tick = time.monotonic()
+        sending: asyncio.Task | None = None
         while True:
-            await asyncio.sleep(min(0.1, self.cfg.net.announce_period))
-            changed = self.runtime.pending_samples != self._announced_pending
-            if not changed and time.monotonic() - last < self.cfg.net.announce_period:
+            await asyncio.sleep(min(0.1, period))
+            now = time.monotonic()
+            if now - tick > ttl - period:
+                self._lapsed = True
+                log.warning("stage %d server %s stalled for %.1fs", self.stage, short(self.peer_id), now - tick)
+            tick = now
+            if sending is not None and not sending.done():
                 continue
-            last = time.monotonic()
-            try:
-                await self._announce()
-            except Exception as e:  # the DHT may be briefly unreachable; the next announcement retries
-                log.warning("announcement failed: %s", e)
+            changed = self.runtime.pending_samples != self._announced_pending
+            if changed or now - last >= period:
+                last = now
+                sending = asyncio.create_task(self._announce_quietly())
+
+    def _drop_if_presumed_gone(self) -> bool:
+        """A replica that stalled long enough for its DHT record to lapse has been taken for dead:
+        trainers accumulate the gradients it held again elsewhere. So it drops them before anything
+        else, or they would enter a step twice. Call with the gate held."""
+        if not self._lapsed:
+            return False
+        self._lapsed = False
+        if not self.runtime.pending_samples:
+            return False
+        lost = self.runtime.discard_gradients()
+        self.counters["lost_samples"] += lost
+        log.warning("stage %d server %s was taken for gone: dropping %d unstepped samples, which trainers "
+                    "send again", self.stage, short(self.peer_id), lost)
+        return True
 
     # ---- compute ------------------------------------------------------------------------------
 
-    async def _compute(self, fn, *args, expires: float = math.inf):
+    async def _compute(self, fn, *args, expires: Deadline | None = None):
         """Run `fn` on the compute thread once it is free; a request whose caller has given up on it
         by then is dropped rather than applied (the caller may be retrying it elsewhere)."""
         self._queued += 1
@@ -250,8 +297,9 @@ class StageServer:
             async with self._gate:
                 self._queued -= 1
                 acquired = True
-                if time.monotonic() > expires:
+                if expires is not None and expires.passed():
                     raise Unavailable("the request expired while it queued")
+                self._drop_if_presumed_gone()
                 return await self._run_timed(fn, *args)
         finally:
             if not acquired:
@@ -363,8 +411,8 @@ class StageServer:
         key = self._admit(meta, caller)
         x, targets = self._check_forward(tensors)
         if targets is not None:
-            if key in self._replies:  # a repeat of a call whose reply was lost: answer it again
-                return self._replies[key]
+            if (cached := self._cached_reply(key)) is not None:
+                return cached
             loss, grad = await self._compute(
                 self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta)
             )
@@ -378,8 +426,8 @@ class StageServer:
     async def backward(self, meta, tensors, caller):
         key = self._admit(meta, caller)
         x, dy = self._check_backward(tensors)
-        if key in self._replies:  # a repeat of a call whose reply was lost: answer it again
-            return self._replies[key]
+        if (cached := self._cached_reply(key)) is not None:
+            return cached
         accumulate = _accumulate(meta) and self.runtime.accumulates(key)
         graph = self.runtime.live_graph(key)
         grad = _RECOMPUTE
@@ -434,6 +482,14 @@ class StageServer:
             else:
                 future.set_result(results[key])
 
+    def _cached_reply(self, key: str):
+        """The reply to a repeat of a gradient call whose gradient this stage already holds or stepped
+        (a call whose reply was lost). A repeat that would accumulate something new is computed."""
+        if key not in self._replies or self.runtime.accumulates(key):
+            return None
+        meta, tensors = self._replies[key]
+        return {**meta, "epoch": self.runtime.epoch}, tensors
+
     def _backward_done(self, key: str, samples: int, meta: dict[str, Any], grad: torch.Tensor | None):
         """Remember the reply of a gradient call, so that a repeat of it costs no compute."""
         reply = {"epoch": self.runtime.epoch, **meta}, [] if grad is None else [grad]
@@ -449,7 +505,9 @@ class StageServer:
 
     async def ledger(self, meta, tensors, caller):
         """Where the caller's microbatches stand here: committed by a step (and at which epoch), held in
-        this replica's unstepped gradient, or neither. `durable` is the newest epoch on disk."""
+        this replica's unstepped gradient, or neither. `durable` is the newest epoch that would outlive
+        this replica: on disk when the stage keeps checkpoints, else reached by a step two or more
+        replicas took (or loaded from a peer)."""
         ids = meta.get("ids")
         if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
             raise BadRequest("ledger takes a list of request ids")
@@ -459,7 +517,7 @@ class StageServer:
             "epoch": rt.epoch,
             "committed": {r: rt.committed[k] for k, r in keys.items() if k in rt.committed},
             "pending": [r for k, r in keys.items() if k in rt.pending],
-            "durable": rt.epoch if self.checkpoints is None else self._durable_epoch,
+            "durable": self._durable_epoch,
         }, []
 
     async def reduce(self, meta, tensors, caller):
@@ -565,7 +623,7 @@ class StageServer:
 
     async def _step_round(self, epoch: int, group: tuple[str, ...]) -> None:
         async with self._gate:
-            if self.runtime.epoch != epoch:
+            if self._drop_if_presumed_gone() or self.runtime.epoch != epoch:
                 return
             self._behind_since.clear()
             self._round_epoch = epoch
@@ -581,6 +639,8 @@ class StageServer:
             finally:
                 self._round_epoch = None
         self.steps.append(record)
+        if record.group > 1 and self.checkpoints is None:  # with checkpoints, only the disk counts
+            self._durable_epoch = record.epoch
         log.info(
             "stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
             self.stage, record.epoch, record.samples, record.group, record.lr, record.grad_norm,
@@ -629,6 +689,8 @@ class StageServer:
                     continue
             self.counters["catch_ups"] += 1
             self.counters["lost_samples"] += lost
+            if self.checkpoints is None:
+                self._durable_epoch = self.runtime.epoch  # the source holds it too
             log.info(
                 "stage %d server %s loaded epoch %d from %s%s",
                 self.stage, short(self.peer_id), self.runtime.epoch, short(source.peer_id),

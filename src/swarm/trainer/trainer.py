@@ -248,7 +248,11 @@ class Trainer:
             tracker = self.latency[stage, method]
             timeout = tracker.timeout(min(self.tc.min_request_timeout, self.tc.request_timeout),
                                       self.tc.request_timeout)
-            meta.update(epoch=self._live_epoch(stage), timeout=timeout, accumulate=accumulating and holder is None)
+            # past `deadline` a server drops the request: by then we have sent it elsewhere, and a delivery
+            # in doubt is judged only request_timeout after its failure (see _track)
+            deadline = time.time() + timeout + self.tc.request_timeout / 2
+            meta.update(epoch=self._live_epoch(stage), timeout=timeout, deadline=deadline,
+                        accumulate=accumulating and holder is None)
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
             started = time.perf_counter()
             try:
@@ -314,7 +318,8 @@ class Trainer:
             if not answers:
                 continue
             for d in open_:
-                verdict = judge(d.epoch, d.holder in live, _merge(answers, d.req), need_durable=not self.done)
+                verdict = judge(d.epoch, d.holder in live, _merge(answers, d.req), self.tc.keep_epochs,
+                                need_durable=not self.done)
                 if verdict is Verdict.DONE:
                     del self.deliveries[d.req, d.stage]
                 elif verdict is Verdict.REPLAY:
