@@ -50,7 +50,7 @@ def test_a_server_killed_with_forwards_and_backwards_in_flight(tmp_path):
     accumulated again from what the trainers kept."""
     cfg = small_config(tmp_path, "trainer.target_steps=10")
     swarm = LocalSwarm(cfg)
-    faults = FaultInjector(swarm)
+    faults = FaultInjector(tmp_path)
     victim: list[Peer] = []
 
     def inject(status) -> None:
@@ -77,7 +77,7 @@ def test_a_server_killed_during_an_all_reduce(tmp_path):
     round fails, it steps without the dead replica, and nothing is lost or doubled."""
     cfg = small_config(tmp_path, "trainer.target_steps=10")
     swarm = LocalSwarm(cfg)
-    faults = FaultInjector(swarm)
+    faults = FaultInjector(tmp_path)
 
     def inject(status) -> None:
         if not faults.events and status.min_epoch >= 3:
@@ -101,7 +101,7 @@ def test_a_frozen_server_catches_up_before_it_serves_again(tmp_path):
     replica, which must download the current state (not serve its stale weights) and rejoin."""
     cfg = small_config(tmp_path, "trainer.target_steps=14")
     swarm = LocalSwarm(cfg)
-    faults = FaultInjector(swarm)
+    faults = FaultInjector(tmp_path)
     frozen_for = cfg.trainer.request_timeout + cfg.net.record_ttl
     frozen: list[Peer] = []
 
@@ -136,7 +136,7 @@ def test_every_server_of_a_stage_killed_then_a_new_one_started(tmp_path):
     cfg = small_config(tmp_path, "trainer.target_steps=10", f'server.checkpoint_dir="{checkpoints}"',
                        "server.checkpoint_every=1")
     swarm = LocalSwarm(cfg)
-    faults = FaultInjector(swarm)
+    faults = FaultInjector(tmp_path)
     newcomer: list[Peer] = []
 
     def inject(status) -> None:
@@ -161,7 +161,7 @@ def test_a_trainer_killed_with_microbatches_in_flight(tmp_path):
     trainer's microbatches that some stages had already taken in."""
     cfg = small_config(tmp_path, "trainer.target_steps=10")
     swarm = LocalSwarm(cfg)
-    faults = FaultInjector(swarm)
+    faults = FaultInjector(tmp_path)
 
     def inject(status) -> None:
         if not faults.events and status.min_epoch >= 3:
@@ -180,30 +180,30 @@ def test_a_trainer_killed_with_microbatches_in_flight(tmp_path):
 def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
     """A stage-1 server on its own network namespace is cut off (DHT included) for longer than the
     timeouts, then reconnected: it must not step alone while cut off, and it catches up after."""
-    with netlab.NetLab(1 + os.getpid() % 250) as lab:
-        cfg = small_config(tmp_path, "trainer.target_steps=14", f'net.host="{lab.gateway}"')
-        swarm = LocalSwarm(cfg)
-        faults = FaultInjector(swarm, lab)
-        cut_for = cfg.trainer.request_timeout + cfg.net.record_ttl
-        isolated: list[Peer] = []
+    cfg = small_config(tmp_path, "trainer.target_steps=14", "local.netns=true")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(tmp_path)
+    cut_for = cfg.trainer.request_timeout + cfg.net.record_ttl
+    isolated: list[Peer] = []
 
-        def start() -> None:
-            swarm.start_bootstrap()
-            for stage in (0, 0, 1):
-                swarm.add_server(stage)
-            isolated.append(faults.add_server_in_namespace(1))
-            for index in range(cfg.local.trainers):
-                swarm.add_trainer(index)
+    def start() -> None:  # only one server on a namespace of its own; the rest share the root one
+        swarm.start_bootstrap()
+        for stage in (0, 0, 1):
+            swarm.add_server(stage, namespace=False)
+        isolated.append(swarm.add_server(1))
+        for index in range(cfg.local.trainers):
+            swarm.add_trainer(index)
 
-        def inject(status) -> None:
-            if not faults.events and status.min_epoch >= 3 and len(status.epochs.get(1, [])) == 2:
-                faults.cut(isolated[0])
-            elif len(faults.events) == 1 and time.time() - faults.events[0].time > cut_for:
-                faults.heal(isolated[0])
+    def inject(status) -> None:
+        if not faults.events and status.min_epoch >= 3 and len(status.epochs.get(1, [])) == 2:
+            faults.cut(isolated[0])
+        elif len(faults.events) == 1 and time.time() - faults.events[0].time > cut_for:
+            faults.heal(isolated[0])
 
-        swarm.start = start
-        summary = run_swarm(swarm, inject)
+    swarm.start = start
+    summary = run_swarm(swarm, inject)
 
+    assert isolated[0].host is not None and swarm.lab is not None
     assert [e.kind for e in faults.events] == ["cut", "heal"]
     healed = server_summary(tmp_path, isolated[0])
     assert healed["catch_ups"] >= 1, healed
@@ -211,3 +211,4 @@ def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
     assert_finished(summary, cfg)
     assert_exactly_once(summary)
     assert_replicas_in_step(summary, tmp_path)
+    assert not any(swarm.lab.gateway in line for line in os.popen("ip -brief addr").read().splitlines())

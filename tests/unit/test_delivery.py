@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.core import LedgerAnswer, Verdict, judge
+from swarm.core import LedgerAnswer, Verdict, judge, merge_answers
 
 
 def answer(epoch: int = 5, committed_at: int | None = None, pending: bool = False, durable: int = 5) -> LedgerAnswer:
@@ -49,3 +49,12 @@ def test_at_the_end_of_a_run_a_commit_is_enough() -> None:
     reply = answer(committed_at=9, durable=5)
     assert judge(8, True, reply) is Verdict.WAIT
     assert judge(8, True, reply, need_durable=False) is Verdict.DONE
+
+
+def test_answers_of_several_replicas_merge() -> None:
+    """The most advanced replica has not heard of it, the holder still has it: wait, not replay."""
+    advanced = {"epoch": 7, "committed": {}, "pending": [], "durable": 6}
+    holder = {"epoch": 6, "committed": {"m2": 6}, "pending": ["m1"], "durable": 5}
+    assert merge_answers([advanced, holder], "m1") == LedgerAnswer(7, None, True, 6)
+    assert merge_answers([advanced, holder], "m2") == LedgerAnswer(7, 6, False, 5)
+    assert judge(6, True, merge_answers([advanced, holder], "m1")) is Verdict.WAIT

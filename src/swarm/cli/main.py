@@ -11,6 +11,7 @@ from pathlib import Path
 
 from swarm.config import ConfigError, ConfigMismatch, SwarmConfig, load_config
 from swarm.config.recipes import DEMO
+from swarm.ops.faults import ACTIONS, FaultInjector
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,7 +46,26 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("fault", help="inject a fault into a running local swarm (see `swarm local`)")
+    p.add_argument("action", choices=ACTIONS)
+    p.add_argument("peer", help="the peer's name, as in RUN_DIR/peers.json (e.g. server-s1-3, trainer-0)")
+    p.add_argument("--run-dir", required=True, help="the local swarm's run directory")
+    p.add_argument("--seconds", type=float, default=0.0, help="delay: added to every RPC message")
+    p.add_argument("--drop", type=float, default=0.0, help="delay: probability that a message is lost")
+    p.add_argument("--blackhole", action="store_true", help="delay: lose every message")
+    p.add_argument("--mbit", type=float, default=10.0, help="shape: link rate in Mbit/s each way")
     return parser
+
+
+def _inject(args: argparse.Namespace) -> None:
+    faults = FaultInjector(args.run_dir)
+    if args.action == "delay":
+        faults.delay(args.peer, args.seconds, args.drop, args.blackhole)
+    elif args.action == "shape":
+        faults.shape(args.peer, args.mbit)
+    else:
+        getattr(faults, args.action)(args.peer)
+    print(f"{args.action} {args.peer}: done (logged in {args.run_dir}/faults.jsonl)")
 
 
 def _config(args: argparse.Namespace) -> SwarmConfig:
@@ -100,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        if args.command == "fault":
+            _inject(args)
+            return 0
         cfg = _config(args)
         if args.command == "dht":
             _serve_dht(cfg, args.addr_file)
@@ -123,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except (ValueError, OSError) as e:  # a fault the CLI could not inject (no such peer, no namespace)
+        if args.command != "fault":
+            raise
+        print(f"swarm fault: {e}", file=sys.stderr)
+        return 2
     except ConnectionError as e:
         print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
         return 4

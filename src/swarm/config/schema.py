@@ -203,6 +203,9 @@ class LocalSwarmConfig:
     trainers: int = 2
     threads_per_peer: int = 1
     timeout: float = 600.0  # seconds before the launcher gives up on the run
+    # every server on a network namespace host of its own, so that `swarm fault cut|shape` can act on
+    # its link (needs root and iproute2)
+    netns: bool = False
 
     def __post_init__(self) -> None:
         _require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")

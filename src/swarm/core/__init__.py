@@ -8,7 +8,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 """
 
 from swarm.core.bans import BanList
-from swarm.core.delivery import LedgerAnswer, Verdict, judge
+from swarm.core.delivery import LedgerAnswer, Verdict, judge, merge_answers
 from swarm.core.partition import split_layers
 from swarm.core.retry import backoff_delay
 from swarm.core.routing import (
@@ -34,6 +34,7 @@ __all__ = [
     "choose_server",
     "expected_group",
     "judge",
+    "merge_answers",
     "routing_weight",
     "split_layers",
     "stage_ready",

@@ -55,3 +55,15 @@ def judge(
     if answer.epoch > accumulated_at or not holder_alive:
         return Verdict.REPLAY
     return Verdict.WAIT
+
+
+def merge_answers(answers: list[dict], req: str) -> LedgerAnswer:
+    """What the replicas asked (their `ledger` replies) know of one microbatch: the most advanced
+    epoch, a commit or a hold anywhere, and the durability of the replica that reported the commit."""
+    committed = [(int(a["committed"][req]), int(a["durable"])) for a in answers if req in a.get("committed", {})]
+    return LedgerAnswer(
+        epoch=max(int(a["epoch"]) for a in answers),
+        committed_at=min(committed)[0] if committed else None,
+        pending=any(req in a.get("pending", []) for a in answers),
+        durable=max((d for _, d in committed), default=max(int(a["durable"]) for a in answers)),
+    )

@@ -1,96 +1,39 @@
-"""Faults injected into a local swarm, each one logged with its time.
+"""Faults injected into a local swarm, each one logged with its time (tests and `swarm fault` alike).
 
 A killed peer stands for a machine that vanished, so the whole process group goes (hivemind's DHT
 child and p2pd daemon outlive a SIGKILL of the main process alone and would keep answering). A frozen
 peer (SIGSTOP) stands for a machine that stalls: its connections stay open but nothing answers.
-Partitions and bandwidth limits act on the peer's network namespace (see `swarm.ops.netlab`), so they
-need the peer to have been started in one. Delay and loss of RPC messages go through the peer's own
-fault file (`net.fault_file`, read by `swarm.net.faultfile`), since not every kernel has `netem`.
+Partitions and bandwidth limits act on the link of the peer's network namespace (a swarm started
+with `local.netns`, see `swarm.ops.netlab`). Delay and loss of RPC messages go through the peer's
+own fault file (see `swarm.net.faultfile`), since not every kernel has `netem`.
+
+Peers are found by name in the swarm's `peers.json`, so the injector works from another process.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from swarm.ops.local import LocalSwarm, Peer, fault_file
-from swarm.ops.netlab import NetLab
+from swarm.ops import netlab
+from swarm.ops.local import Peer, fault_file
+from swarm.ops.netlab import Host
 
 log = logging.getLogger(__name__)
+ACTIONS = ("kill", "freeze", "thaw", "cut", "heal", "shape", "unshape", "delay")
 
 
 @dataclass(frozen=True)
 class FaultEvent:
     time: float
-    kind: str  # kill | freeze | thaw | cut | heal | shape | unshape | delay
+    kind: str  # one of ACTIONS
     peer: str
     detail: str = ""
-
-
-class FaultInjector:
-    def __init__(self, swarm: LocalSwarm, lab: NetLab | None = None):
-        self.swarm = swarm
-        self.lab = lab
-        self.events: list[FaultEvent] = []
-        self._hosts: dict[str, str] = {}  # peer name -> its namespace host in the lab
-
-    def add_server_in_namespace(self, stage: int) -> Peer:
-        """A server of `stage` on a host of its own, so that its link can be cut and shaped."""
-        if self.lab is None:
-            raise ValueError("this injector has no network lab")
-        host = self.lab.add_host(f"h{len(self.lab.hosts) + 2}")
-        peer = self.swarm.add_server(stage, (f'net.host="{host.ip}"',), wrap=tuple(self.lab.wrap(host.name)))
-        self._hosts[peer.name] = host.name
-        return peer
-
-    def _record(self, kind: str, peer: Peer, detail: str = "") -> None:
-        event = FaultEvent(time.time(), kind, peer.name, detail)
-        self.events.append(event)
-        log.info("fault: %s %s %s", kind, peer.name, detail)
-        with open(self.swarm.run_dir / "faults.jsonl", "a") as out:
-            out.write(json.dumps(asdict(event)) + "\n")
-
-    def _host(self, peer: Peer) -> str:
-        if peer.name not in self._hosts:
-            raise ValueError(f"{peer.name} was not started in a network namespace of this injector's lab")
-        return self._hosts[peer.name]
-
-    def kill(self, peer: Peer) -> None:
-        peer.signal(signal.SIGKILL)
-        self._record("kill", peer)
-
-    def freeze(self, peer: Peer) -> None:
-        peer.signal(signal.SIGSTOP)
-        self._record("freeze", peer)
-
-    def thaw(self, peer: Peer) -> None:
-        peer.signal(signal.SIGCONT)
-        self._record("thaw", peer)
-
-    def cut(self, peer: Peer) -> None:
-        self.lab.cut(self._host(peer))
-        self._record("cut", peer)
-
-    def heal(self, peer: Peer) -> None:
-        self.lab.heal(self._host(peer))
-        self._record("heal", peer)
-
-    def shape(self, peer: Peer, mbit: float) -> None:
-        self.lab.shape(self._host(peer), mbit)
-        self._record("shape", peer, f"{mbit} Mbit/s")
-
-    def unshape(self, peer: Peer) -> None:
-        self.lab.unshape(self._host(peer))
-        self._record("unshape", peer)
-
-    def delay(self, peer: Peer, seconds: float = 0.0, drop: float = 0.0, blackhole: bool = False) -> None:
-        """Delay, drop (with probability `drop`) or swallow every RPC message the peer sends or gets."""
-        write_fault_file(fault_file(self.swarm.run_dir, peer.name), seconds, drop, blackhole)
-        self._record("delay", peer, f"{seconds}s, drop {drop}" + (", blackhole" if blackhole else ""))
 
 
 def write_fault_file(path: Path, seconds: float, drop: float, blackhole: bool) -> None:
@@ -98,3 +41,69 @@ def write_fault_file(path: Path, seconds: float, drop: float, blackhole: bool) -
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"delay": seconds, "drop": drop, "blackhole": blackhole}))
     tmp.replace(path)
+
+
+class FaultInjector:
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.events: list[FaultEvent] = []
+
+    def _entry(self, peer: Peer | str) -> dict:
+        name = peer if isinstance(peer, str) else peer.name
+        registry = json.loads((self.run_dir / "peers.json").read_text())
+        if name not in registry:
+            raise ValueError(f"no peer named {name!r} in {self.run_dir}/peers.json (known: {', '.join(registry)})")
+        return {"name": name, **registry[name]}
+
+    def _host(self, peer: Peer | str) -> Host:
+        entry = self._entry(peer)
+        if not entry["host"]:
+            raise ValueError(f"{entry['name']} has no network namespace (start the swarm with local.netns = true)")
+        return Host(**entry["host"])
+
+    def _signal(self, peer: Peer | str, sig: int) -> None:
+        try:
+            os.killpg(self._entry(peer)["pid"], sig)
+        except ProcessLookupError:
+            pass  # already gone
+
+    def _record(self, kind: str, peer: Peer | str, detail: str = "") -> None:
+        event = FaultEvent(time.time(), kind, peer if isinstance(peer, str) else peer.name, detail)
+        self.events.append(event)
+        log.info("fault: %s %s %s", kind, event.peer, detail)
+        with open(self.run_dir / "faults.jsonl", "a") as out:
+            out.write(json.dumps(asdict(event)) + "\n")
+
+    def kill(self, peer: Peer | str) -> None:
+        self._signal(peer, signal.SIGKILL)
+        self._record("kill", peer)
+
+    def freeze(self, peer: Peer | str) -> None:
+        self._signal(peer, signal.SIGSTOP)
+        self._record("freeze", peer)
+
+    def thaw(self, peer: Peer | str) -> None:
+        self._signal(peer, signal.SIGCONT)
+        self._record("thaw", peer)
+
+    def cut(self, peer: Peer | str) -> None:
+        netlab.cut(self._host(peer))
+        self._record("cut", peer)
+
+    def heal(self, peer: Peer | str) -> None:
+        netlab.heal(self._host(peer))
+        self._record("heal", peer)
+
+    def shape(self, peer: Peer | str, mbit: float) -> None:
+        netlab.shape(self._host(peer), mbit)
+        self._record("shape", peer, f"{mbit} Mbit/s")
+
+    def unshape(self, peer: Peer | str) -> None:
+        netlab.unshape(self._host(peer))
+        self._record("unshape", peer)
+
+    def delay(self, peer: Peer | str, seconds: float = 0.0, drop: float = 0.0, blackhole: bool = False) -> None:
+        """Delay, drop (with probability `drop`) or swallow every RPC message the peer sends or serves."""
+        name = self._entry(peer)["name"]
+        write_fault_file(fault_file(self.run_dir, name), seconds, drop, blackhole)
+        self._record("delay", peer, f"{seconds}s, drop {drop}" + (", blackhole" if blackhole else ""))

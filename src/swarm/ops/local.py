@@ -8,6 +8,7 @@ process alone and would keep answering in its name.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,6 +25,8 @@ from tqdm import tqdm
 from swarm.config import SwarmConfig, replace, to_toml
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
+from swarm.ops import netlab
+from swarm.ops.netlab import Host, NetLab
 
 log = logging.getLogger("swarm.local")
 
@@ -35,7 +38,7 @@ class Peer:
     process: subprocess.Popen
     log_path: Path
     stage: int | None = None
-    killed: bool = False  # on purpose (a fault injected): its exit is expected, not a failure
+    host: Host | None = None  # the network namespace it runs in, if any
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -46,7 +49,6 @@ class Peer:
 
     def signal(self, sig: int) -> None:
         """Signal the peer's whole process group; a peer already gone is not an error."""
-        self.killed = self.killed or sig == signal.SIGKILL
         try:
             os.killpg(self.process.pid, sig)
         except ProcessLookupError:
@@ -78,6 +80,7 @@ class LocalSwarm:
         self.peers: list[Peer] = []
         self.initial_peers: tuple[str, ...] = ()
         self._counter = 0
+        self.lab: NetLab | None = None
 
     # ---- starting peers ----------------------------------------------------------------------
 
@@ -88,14 +91,15 @@ class LocalSwarm:
         overrides: list[str],
         stage: int | None = None,
         extra: tuple[str, ...] = (),
-        wrap: tuple[str, ...] = (),
+        host: Host | None = None,
     ) -> Peer:
-        """Start one peer in its own process session; `wrap` prefixes the command (e.g. `ip netns exec`)."""
+        """Start one peer in its own process session (inside `host`'s network namespace, if given)."""
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
         threads = str(self.cfg.local.threads_per_peer)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        wrap = netlab.wrap(host) if host else ()
         cmd = [*wrap, sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
         if role != "dht":  # a fault injector may delay or drop this peer's messages through this file
             overrides = [*overrides, f'net.fault_file="{fault_file(self.run_dir, name)}"']
@@ -107,9 +111,18 @@ class LocalSwarm:
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 stdin=subprocess.DEVNULL,
             )
-        peer = Peer(name, role, process, log_path, stage)
+        peer = Peer(name, role, process, log_path, stage, host)
         self.peers.append(peer)
+        self._write_registry()
         return peer
+
+    def _write_registry(self) -> None:
+        """peers.json: every peer's pid and namespace, for `swarm fault` run from another terminal."""
+        registry = {
+            p.name: {"role": p.role, "stage": p.stage, "pid": p.process.pid, "host": p.host and asdict(p.host)}
+            for p in self.peers
+        }
+        (self.run_dir / "peers.json").write_text(json.dumps(registry, indent=1))
 
     def start(self) -> None:
         self.start_bootstrap()
@@ -123,6 +136,9 @@ class LocalSwarm:
         for stale in ("peers", "logs"):  # a run directory reused by a new run must not mix in the old one
             shutil.rmtree(self.run_dir / stale, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.local.netns:  # peers outside the namespaces listen where the namespaces reach them
+            self.lab = NetLab(1 + os.getpid() % 250)
+            self.cfg = replace(self.cfg, net={"host": self.lab.gateway})
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         addr_file = self.run_dir / "bootstrap.addr"
         addr_file.unlink(missing_ok=True)
@@ -133,10 +149,18 @@ class LocalSwarm:
     def _peers_override(self) -> str:
         return "net.initial_peers=[" + ",".join(f'"{a}"' for a in self.initial_peers) + "]"
 
-    def add_server(self, stage: int, overrides: tuple[str, ...] = (), wrap: tuple[str, ...] = ()) -> Peer:
+    def add_server(self, stage: int, overrides: tuple[str, ...] = (), namespace: bool | None = None) -> Peer:
+        """A server of `stage`; on a namespace host of its own if `namespace` (default: `local.netns`)."""
         self._counter += 1
+        name = f"server-s{stage}-{self._counter}"
         args = [self._peers_override(), f"server.stage={stage}", *overrides]
-        return self._spawn("server", f"server-s{stage}-{self._counter}", args, stage, wrap=wrap)
+        host = None
+        if self.cfg.local.netns if namespace is None else namespace:
+            if self.lab is None:
+                raise ValueError("servers go on namespace hosts only in a swarm started with local.netns = true")
+            host = self.lab.add_host(name)
+            args.append(f'net.host="{host.ip}"')
+        return self._spawn("server", name, args, stage, host=host)
 
     def add_trainer(self, index: int) -> Peer:
         overrides = [
@@ -200,7 +224,8 @@ class LocalSwarm:
                     + "/".join(str(len(status.epochs.get(k, []))) for k in range(self.cfg.model.num_stages))
                 )
                 for p in self.trainers():
-                    if p.process.poll() not in (None, 0) and not p.killed:
+                    # SIGKILL is how a machine vanishes (a fault injected): the others carry on
+                    if p.process.poll() not in (None, 0, -signal.SIGKILL):
                         code, tail = p.process.returncode, p.log_tail()
                         raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
                 trainers_over = all(not p.alive() for p in self.trainers())
@@ -237,6 +262,8 @@ class LocalSwarm:
         for p in self.peers:
             p.signal(signal.SIGKILL)  # reaps any DHT child or p2pd left behind in the group
             p.process.wait()
+        if self.lab is not None:
+            self.lab.close()
 
     def __enter__(self) -> LocalSwarm:
         try:

@@ -3,7 +3,8 @@
 Each host is a namespace with one veth link to a bridge in the root namespace; peers in the root
 namespace listen on the bridge's address, so every peer reaches every other one through it. A link
 can be cut (the host is partitioned from everyone, DHT included) and healed, and shaped with a token
-bucket (`tc tbf`) in both directions. Traffic never leaves the namespaces created here.
+bucket (`tc tbf`) in both directions. Traffic never leaves the namespaces created here. The link
+operations need only the `Host` record, so another process (`swarm fault`) can apply them.
 
 Needs root and iproute2. Everything created is named after the lab, and `close` removes it all.
 """
@@ -39,6 +40,39 @@ def available() -> bool:
     return ok
 
 
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise NetLabError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+
+def wrap(host: Host) -> tuple[str, ...]:
+    """The command prefix that runs a program inside the host's namespace."""
+    return ("ip", "netns", "exec", host.netns)
+
+
+def cut(host: Host) -> None:
+    """Partition the host from everyone (its packets go nowhere until `heal`)."""
+    _run("ip", "link", "set", host.link, "down")
+
+
+def heal(host: Host) -> None:
+    _run("ip", "link", "set", host.link, "up")
+
+
+def shape(host: Host, mbit: float, burst_kbit: int = 64, latency_ms: int = 100) -> None:
+    """Limit the host's link to `mbit` in each direction (a token bucket on both veth ends)."""
+    tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", f"{latency_ms}ms"]
+    _run("tc", "qdisc", "replace", "dev", host.link, "root", *tbf)
+    _run("ip", "netns", "exec", host.netns, "tc", "qdisc", "replace", "dev", host.inner, "root", *tbf)
+
+
+def unshape(host: Host) -> None:
+    subprocess.run(["tc", "qdisc", "del", "dev", host.link, "root"], capture_output=True)
+    subprocess.run(["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", host.inner, "root"],
+                   capture_output=True)
+
+
 class NetLab:
     def __init__(self, lab_id: int):
         """`lab_id` (1-250) picks the subnet 10.77.<lab_id>.0/24 and the interface names."""
@@ -48,54 +82,24 @@ class NetLab:
         self.bridge = f"swbr{lab_id}"
         self.gateway = f"10.77.{lab_id}.1"
         self.hosts: dict[str, Host] = {}
-        self._run("ip", "link", "add", self.bridge, "type", "bridge")
-        self._run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        self._run("ip", "link", "set", self.bridge, "up")
-
-    @staticmethod
-    def _run(*cmd: str) -> None:
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise NetLabError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
 
     def add_host(self, name: str) -> Host:
         n = len(self.hosts) + 2
         host = Host(name, f"sw{self.id}h{n}", f"10.77.{self.id}.{n}", f"sw{self.id}v{n}", f"sw{self.id}i{n}")
-        self._run("ip", "netns", "add", host.netns)
+        _run("ip", "netns", "add", host.netns)
         self.hosts[name] = host
-        self._run("ip", "link", "add", host.link, "type", "veth", "peer", "name", host.inner)
-        self._run("ip", "link", "set", host.inner, "netns", host.netns)
-        self._run("ip", "link", "set", host.link, "master", self.bridge)
-        self._run("ip", "link", "set", host.link, "up")
+        _run("ip", "link", "add", host.link, "type", "veth", "peer", "name", host.inner)
+        _run("ip", "link", "set", host.inner, "netns", host.netns)
+        _run("ip", "link", "set", host.link, "master", self.bridge)
+        _run("ip", "link", "set", host.link, "up")
         inside = ("ip", "netns", "exec", host.netns)
-        self._run(*inside, "ip", "addr", "add", f"{host.ip}/24", "dev", host.inner)
-        self._run(*inside, "ip", "link", "set", host.inner, "up")
-        self._run(*inside, "ip", "link", "set", "lo", "up")
+        _run(*inside, "ip", "addr", "add", f"{host.ip}/24", "dev", host.inner)
+        _run(*inside, "ip", "link", "set", host.inner, "up")
+        _run(*inside, "ip", "link", "set", "lo", "up")
         return host
-
-    def wrap(self, name: str) -> list[str]:
-        """The command prefix that runs a program inside the host's namespace."""
-        return ["ip", "netns", "exec", self.hosts[name].netns]
-
-    def cut(self, name: str) -> None:
-        """Partition the host from everyone (its packets go nowhere until `heal`)."""
-        self._run("ip", "link", "set", self.hosts[name].link, "down")
-
-    def heal(self, name: str) -> None:
-        self._run("ip", "link", "set", self.hosts[name].link, "up")
-
-    def shape(self, name: str, mbit: float, burst_kbit: int = 64, latency_ms: int = 100) -> None:
-        """Limit the host's link to `mbit` in each direction (token bucket on both veth ends)."""
-        host = self.hosts[name]
-        tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", f"{latency_ms}ms"]
-        self._run("tc", "qdisc", "replace", "dev", host.link, "root", *tbf)
-        self._run("ip", "netns", "exec", host.netns, "tc", "qdisc", "replace", "dev", host.inner, "root", *tbf)
-
-    def unshape(self, name: str) -> None:
-        host = self.hosts[name]
-        subprocess.run(["tc", "qdisc", "del", "dev", host.link, "root"], capture_output=True)
-        subprocess.run(["ip", "netns", "exec", host.netns, "tc", "qdisc", "del", "dev", host.inner, "root"],
-                       capture_output=True)
 
     def close(self) -> None:
         """Remove every link, namespace and the bridge (processes inside must have ended first)."""

@@ -33,12 +33,12 @@ from swarm.core import (
     BanList,
     Candidate,
     LatencyTracker,
-    LedgerAnswer,
     SmoothWeightedRoundRobin,
     Verdict,
     backoff_delay,
     choose_server,
     judge,
+    merge_answers,
 )
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
@@ -318,7 +318,7 @@ class Trainer:
             if not answers:
                 continue
             for d in open_:
-                verdict = judge(d.epoch, d.holder in live, _merge(answers, d.req), self.tc.keep_epochs,
+                verdict = judge(d.epoch, d.holder in live, merge_answers(answers, d.req), self.tc.keep_epochs,
                                 need_durable=not self.done)
                 if verdict is Verdict.DONE:
                     del self.deliveries[d.req, d.stage]
@@ -439,14 +439,3 @@ class Trainer:
         }
         (out / f"trainer-{self.tc.index}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary))
 
-
-def _merge(answers: list[dict], req: str) -> LedgerAnswer:
-    """What the replicas asked know of one microbatch: the most advanced epoch, a commit or a hold
-    anywhere, and the durability of the replica that reported the commit."""
-    committed = [(int(a["committed"][req]), int(a["durable"])) for a in answers if req in a.get("committed", {})]
-    return LedgerAnswer(
-        epoch=max(int(a["epoch"]) for a in answers),
-        committed_at=min(committed)[0] if committed else None,
-        pending=any(req in a.get("pending", []) for a in answers),
-        durable=max((d for _, d in committed), default=max(int(a["durable"]) for a in answers)),
-    )

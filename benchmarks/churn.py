@@ -1,0 +1,147 @@
+"""Goodput under churn: a random server is killed every `--every` seconds and a fresh one started.
+
+    .venv/bin/python benchmarks/churn.py [--minutes 10] [--every 30] [--set section.field=value ...]
+
+Two runs of the same local swarm (the demo recipe by default: 3 stages x 2 servers, 2 trainers) for
+the same time: one without faults, one where every `--every` seconds a random server's whole process
+group is SIGKILLed and a new server of the same stage is started (it downloads the stage's state from
+the survivor; a victim is always a server whose stage keeps another one serving). Reported:
+
+- goodput: samples per second that reached an optimizer step of every stage. Delivery is exactly
+  once (each completed microbatch enters one step of each stage; checked here from the ledgers), so
+  this is the trainers' completed samples over the measured window;
+- capacity alive: the mean fraction of the configured servers that were up (a killed server counts as
+  down until its replacement logged that it serves), and goodput relative to the no-fault run divided
+  by it ("counted against the capacity that was alive");
+- time from each kill to full throughput: the first moment the trailing 5-second throughput is back
+  to 90% of the 10 seconds before the kill (median and 95th percentile; a kill not recovered from
+  before the next one counts as the full interval).
+
+Runs must be alone on the machine: anything else running skews both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from swarm.config import load_config
+from swarm.config.recipes import DEMO
+from swarm.ops.faults import FaultInjector
+from swarm.ops.local import LocalSwarm, SwarmStatus
+from swarm.ops.report import collect
+
+
+class _Enough(Exception):
+    """The measured window is over."""
+
+
+def _serving(peer) -> bool:
+    return peer.alive() and " up on /" in peer.log_path.read_text(errors="replace")
+
+
+def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(cfg.run_dir)
+    rng = random.Random(seed)
+    began: list[float] = []
+    kills: list[float] = []
+    down: dict[str, float] = {}  # replacement server -> when its predecessor was killed
+    downtime: list[float] = []
+
+    def tick(status: SwarmStatus) -> None:
+        now = time.time()
+        for peer in [p for p in swarm.servers() if p.name in down and _serving(p)]:
+            downtime.append(now - down.pop(peer.name))
+        if not began:
+            if status.trainer_samples == 0:
+                return  # the window starts with the first completed microbatch
+            began.append(now)
+        if now - began[0] > seconds:
+            raise _Enough
+        if every and now - (kills[-1] if kills else began[0]) >= every:
+            # a serving server whose stage keeps another serving one: the stage's state must survive
+            serving = [p for p in swarm.servers() if _serving(p)]
+            victims = [p for p in serving if sum(q.stage == p.stage for q in serving) > 1]
+            victim = rng.choice(victims)
+            faults.kill(victim)
+            kills.append(now)
+            down[swarm.add_server(victim.stage).name] = now
+
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False, on_status=tick)
+    except _Enough:
+        pass
+    finally:
+        swarm.stop()
+    summary = collect(Path(cfg.run_dir))
+    start, end = began[0], began[0] + seconds
+    done = [c for c in summary["_completed"] if start <= c[0] <= end]
+    downtime += [end - t for t in down.values()]  # replacements not up by the end
+    servers = cfg.model.num_stages * cfg.local.servers_per_stage
+    return {
+        "goodput": sum(c[1] for c in done) / seconds,
+        "capacity_alive": 1 - sum(downtime) / (servers * seconds),
+        "replacement_up_s": sorted(round(d, 1) for d in downtime),
+        "recoveries": [_recovery(done, t, every or seconds) for t in kills],
+        "kills": len(kills),
+        "replays": summary["replays"],
+        "delivery": {k: v["delivery"] for k, v in summary["stages"].items()},
+    }
+
+
+def _recovery(done: list, kill: float, cap: float) -> float:
+    """Seconds from `kill` until the trailing 5 s rate is back to 90% of the 10 s before it."""
+
+    def rate(a: float, b: float) -> float:
+        return sum(c[1] for c in done if a <= c[0] < b) / (b - a)
+
+    before = rate(kill - 10, kill)
+    t = kill + 5
+    while t <= kill + cap:
+        if rate(t - 5, t) >= 0.9 * before:
+            return t - kill
+        t += 0.5
+    return cap
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between kills")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--run-dir", default="runs/churn")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    seconds = args.minutes * 60
+    results = {}
+    for name, every in (("no_faults", None), ("churn", args.every)):
+        cfg = load_config(None, [f'run_dir="{args.run_dir}/{name}"', "trainer.target_steps=1000000",
+                                 f"local.timeout={seconds + 600}", *args.overrides], base=DEMO)
+        results[name] = run(cfg, seconds, every, args.seed)
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "recoveries"}), flush=True)
+    base, churn = results["no_faults"], results["churn"]
+    ratio = churn["goodput"] / base["goodput"]
+    rec = sorted(churn["recoveries"])
+    report = {
+        "goodput_no_faults": round(base["goodput"], 2),
+        "goodput_churn": round(churn["goodput"], 2),
+        "ratio": round(ratio, 3),
+        "capacity_alive": round(churn["capacity_alive"], 3),
+        "ratio_per_capacity_alive": round(ratio / churn["capacity_alive"], 3),
+        "kills": churn["kills"],
+        "recovery_median_s": statistics.median(rec) if rec else None,
+        "recovery_p95_s": rec[min(len(rec) - 1, int(0.95 * len(rec)))] if rec else None,
+        "replays": churn["replays"],
+    }
+    print(json.dumps(report, indent=1))
+    Path(args.run_dir, "churn.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
