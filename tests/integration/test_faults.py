@@ -194,17 +194,24 @@ def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
         for index in range(cfg.local.trainers):
             swarm.add_trainer(index)
 
+    shaped: list[str] = []
+
     def inject(status) -> None:
         if not faults.events and status.min_epoch >= 3 and len(status.epochs.get(1, [])) == 2:
             faults.cut(isolated[0])
         elif len(faults.events) == 1 and time.time() - faults.events[0].time > cut_for:
             faults.heal(isolated[0])
+        elif len(faults.events) == 2:  # then a bandwidth limit on its link, for a moment
+            faults.shape(isolated[0], mbit=20)
+            shaped.append(os.popen(f"tc qdisc show dev {isolated[0].host.link}").read())
+            faults.unshape(isolated[0])
 
     swarm.start = start
     summary = run_swarm(swarm, inject)
 
     assert isolated[0].host is not None and swarm.lab is not None
-    assert [e.kind for e in faults.events] == ["cut", "heal"]
+    assert [e.kind for e in faults.events] == ["cut", "heal", "shape", "unshape"]
+    assert "tbf" in shaped[0] and "rate 20Mbit" in shaped[0]
     healed = server_summary(tmp_path, isolated[0])
     assert healed["catch_ups"] >= 1, healed
     assert all(s["group"] == 2 for s in healed["steps"])  # it never stepped alone

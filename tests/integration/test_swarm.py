@@ -35,7 +35,7 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_swarm_survives_a_server_killed_midrun_swarm(tmp_path):
+def test_swarm_survives_a_server_killed_mid_run(tmp_path):
     cfg = small_config(tmp_path, "trainer.target_steps=10")
     swarm = LocalSwarm(cfg)
     killed = []

@@ -417,6 +417,22 @@ def test_load_state_refuses_a_wrong_tensor_count() -> None:
         target.load_state(meta, tensors[:-1])
 
 
+def test_load_state_refuses_parameters_that_fail_their_checksum() -> None:
+    """A state damaged on the way (or on disk) is refused before anything is loaded."""
+    stage = load_stages(tiny_cfg())[1]
+    source, target = runtime(stage), runtime(stage)
+    train_steps(source, [51])
+    meta, tensors = source.state()
+    before = target.digest()
+    damaged = [t.clone() for t in tensors]
+    damaged[0].view(-1)[0] += 1.0
+    with pytest.raises(ValueError, match="checksum"):
+        target.load_state(meta, damaged)
+    assert target.digest() == before and target.epoch == 0
+    target.load_state(meta, tensors)
+    assert target.digest() == source.digest()
+
+
 def test_digest_follows_the_parameters() -> None:
     rt = runtime(load_stages(tiny_cfg())[1])
     other = runtime(load_stages(tiny_cfg())[1])

@@ -271,10 +271,7 @@ class StageRuntime:
         return lost
 
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for p in self.params:
-            h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:16]
+        return _digest(self.params)
 
     # ---- state transfer (newcomers and stragglers) ---------------------------------------------
 
@@ -290,7 +287,8 @@ class StageRuntime:
                 opt_keys.append([index, key])
                 tensors.append(torch.as_tensor(value).detach().cpu().clone())
         ledger = [[epoch, ids] for epoch, ids in self.ledger().items()]
-        return {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger}, tensors
+        meta = {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger, "digest": self.last_digest}
+        return meta, tensors
 
     def ledger(self) -> dict[int, list[str]]:
         """The microbatches of each remembered step, by the epoch it produced."""
@@ -303,6 +301,11 @@ class StageRuntime:
         names, opt_keys = meta["names"], meta["opt_keys"]
         if len(tensors) != len(names) + len(opt_keys):
             raise ValueError(f"state has {len(tensors)} tensors, expected {len(names) + len(opt_keys)}")
+        if "digest" in meta:  # the parameters' checksum, checked before anything is loaded
+            sent = dict(zip(names, tensors, strict=False))
+            trainable = [sent.get(n) for n, p in self.module.named_parameters() if p.requires_grad]
+            if any(t is None for t in trainable) or _digest(trainable) != meta["digest"]:
+                raise ValueError(f"state checksum mismatch: expected {meta['digest']}")
         self.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
         opt_state = self.optimizer.state_dict()
         opt_state["state"] = {}
@@ -315,3 +318,11 @@ class StageRuntime:
         self.committed = {}
         for epoch, ids in meta.get("ledger", []):
             self._commit(ids, int(epoch))
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    """A short hash of the tensors' bytes: equal digests mean bit-identical parameters."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

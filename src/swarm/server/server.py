@@ -662,7 +662,12 @@ class StageServer:
         if found is None:
             return
         meta, tensors = found
-        self.runtime.load_state(meta, tensors)
+        try:
+            self.runtime.load_state(meta, tensors)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            log.warning("stage %d checkpoint at epoch %s is unusable (%s); starting without it",
+                        self.stage, meta.get("epoch"), e)
+            return
         self._durable_epoch = self.runtime.epoch
         log.info("stage %d resumed from checkpoint at epoch %d", self.stage, self.runtime.epoch)
 
