@@ -8,8 +8,9 @@ group is SIGKILLed and a new server of the same stage is started (it downloads t
 the survivor; a victim is always a server whose stage keeps another one serving). Reported:
 
 - goodput: samples per second that reached an optimizer step of every stage. Delivery is exactly
-  once (each completed microbatch enters one step of each stage; checked here from the ledgers), so
-  this is the trainers' completed samples over the measured window;
+  once (each completed microbatch enters one step of each stage; checked here from the ledgers after
+  the trainers were stopped with SIGTERM and settled), so this is the trainers' completed samples
+  over the measured window;
 - capacity alive: the mean fraction of the configured servers that were up (a killed server counts as
   down until its replacement logged that it serves), and goodput relative to the no-fault run divided
   by it ("counted against the capacity that was alive");
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -36,10 +38,6 @@ from swarm.ops.local import LocalSwarm, SwarmStatus
 from swarm.ops.report import collect
 
 
-class _Enough(Exception):
-    """The measured window is over."""
-
-
 def _serving(peer) -> bool:
     return peer.alive() and " up on /" in peer.log_path.read_text(errors="replace")
 
@@ -49,6 +47,7 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
     faults = FaultInjector(cfg.run_dir)
     rng = random.Random(seed)
     began: list[float] = []
+    ended: list[float] = []
     kills: list[float] = []
     down: dict[str, float] = {}  # replacement server -> when its predecessor was killed
     downtime: list[float] = []
@@ -61,8 +60,12 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
             if status.trainer_samples == 0:
                 return  # the window starts with the first completed microbatch
             began.append(now)
-        if now - began[0] > seconds:
-            raise _Enough
+        if now - began[0] > seconds:  # trainers finish what is in flight, the stages their last steps
+            if not ended:
+                ended.append(now)
+                for trainer in swarm.trainers():
+                    trainer.process.send_signal(signal.SIGTERM)
+            return
         if every and now - (kills[-1] if kills else began[0]) >= every:
             # a serving server whose stage keeps another serving one: the stage's state must survive
             serving = [p for p in swarm.servers() if _serving(p)]
@@ -75,8 +78,6 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
     try:
         swarm.start()
         swarm.wait_until_done(progress=False, on_status=tick)
-    except _Enough:
-        pass
     finally:
         swarm.stop()
     summary = collect(Path(cfg.run_dir))

@@ -28,12 +28,15 @@ class LoopbackClient:
         self.members = members
         self.calls: list[tuple[str, str]] = []
         self.lose_reply_from: set[str] = set()  # owners whose next reply is lost after they answered
+        self.dead: set[str] = set()  # owners every call to fails at once, as to a killed process
 
     async def call(
         self, peer_id: str, method: str, meta: dict[str, Any], tensors: Sequence[torch.Tensor], timeout: float
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         assert method == "reduce"
         self.calls.append((self.own_id, peer_id))
+        if peer_id in self.dead:
+            raise CallFailed(f"{method} failed: dial backoff")
         owner = self.members[peer_id]
         try:
             reply, out = await asyncio.wait_for(
@@ -286,6 +289,29 @@ def test_absent_member_fails_the_others_within_the_timeout() -> None:
     assert elapsed < SHORT + 1.0
     for peer in samples:
         assert members[peer]._rounds == {}
+
+
+def test_an_unreachable_owner_fails_the_round_at_once_and_is_named() -> None:
+    """Calls to a killed member fail fast; the round gives up after a few, well before its timeout,
+    and says whom to leave out of the next group."""
+    ids = ("peerA", "peerB")
+    members = make_members(ids, timeout=30.0)
+    members["peerA"].client.dead.add("peerB")
+
+    async def main() -> tuple[Any, float]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        try:
+            await members["peerA"].run(0, ids, torch.randn(10), 1)
+        except RoundFailed as e:
+            return e, loop.time() - start
+        return None, loop.time() - start
+
+    error, elapsed = run_all(main())
+    assert isinstance(error, RoundFailed) and error.unreachable == frozenset({"peerB"})
+    assert elapsed < 2.0
+    assert members["peerA"].client.calls.count(("peerA", "peerB")) == 3
+    assert members["peerA"]._rounds == {}
 
 
 # ---- malformed requests --------------------------------------------------------------------------

@@ -42,8 +42,22 @@ log = logging.getLogger(__name__)
 DIVERGED = "diverged:"  # marks a refusal because member weights differ
 
 
+REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
+
+
 class RoundFailed(Exception):
-    """This round did not complete on this member; its gradients are kept for the next try."""
+    """This round did not complete on this member; its gradients are kept for the next try.
+    `unreachable`: members no call could reach (most likely dead; the next group should leave them out)."""
+
+    def __init__(self, message: str, unreachable: frozenset[str] = frozenset()):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+class _Unreachable(Exception):
+    def __init__(self, owner: str, error: CallFailed):
+        super().__init__(f"{short(owner)} unreachable: {error}")
+        self.owner = owner
 
 
 class WeightsDiverged(RoundFailed):
@@ -141,6 +155,8 @@ class StageAllReduce:
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
             results = await asyncio.wait_for(gathered, self.timeout)
+        except _Unreachable as e:
+            raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
         except (TimeoutError, CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e
@@ -179,14 +195,17 @@ class StageAllReduce:
         if owner == self.own_id:
             reply, tensors = await self.contribute(meta, [part], self.own_id)
         else:
-            # contributing is idempotent, so a call whose reply was lost is simply made again
-            while True:
+            # contributing is idempotent, so a call whose reply was lost is simply made again; an owner
+            # that no call reaches has most likely died, and the round fails now rather than at its timeout
+            for attempt in range(REDUCE_ATTEMPTS):
                 try:
                     reply, tensors = await self.client.call(owner, "reduce", meta, [part], self.timeout)
                     break
                 except CallFailed as e:
-                    if e.refused:
+                    if e.answered or e.timed_out:
                         raise
+                    if attempt == REDUCE_ATTEMPTS - 1:
+                        raise _Unreachable(owner, e) from e
                     log.info("reduce call to %s failed (%s); calling again", short(owner), e)
                     await asyncio.sleep(0.1)
         if len(tensors) != 1:

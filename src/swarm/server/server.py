@@ -114,6 +114,7 @@ class StageServer:
         self._batch_waits: dict[BatchGraph, dict[str, tuple[torch.Tensor, asyncio.Future]]] = {}
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
+        self._suspects: dict[str, float] = {}  # replicas no call reached, until when they are left out
         self._alone_since = math.inf  # since when no other replica of the stage is in view
         self._peers_at_epoch: tuple[int, set[str]] = (-1, set())  # other replicas last seen at our epoch
         self._announced_pending = 0
@@ -555,6 +556,8 @@ class StageServer:
             except RoundFailed as e:
                 failures += 1
                 self.counters["failed_rounds"] += 1
+                for peer in e.unreachable:  # left out of the next groups until its record expires
+                    self._suspects[peer] = time.monotonic() + self.cfg.net.record_ttl
                 log.warning("stage %d step %d round failed (%s); retrying", self.stage, self.runtime.epoch + 1, e)
                 await asyncio.sleep(backoff_delay(failures, 0.2, 3.0, self.rng))
             except asyncio.CancelledError:
@@ -579,11 +582,14 @@ class StageServer:
             self._proposal = None
             if proposed_epoch == epoch:
                 return group
-        view = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
+        now = time.monotonic()
+        self._suspects = {p: until for p, until in self._suspects.items() if until > now}
+        others = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
+        view = [r for r in others if r.peer_id not in self._suspects]
         if view:
             self._alone_since = math.inf
-        elif self._alone_since == math.inf:
-            self._alone_since = time.monotonic()
+        elif self._alone_since == math.inf:  # no need to wait for replicas we know but cannot reach
+            self._alone_since = now - (math.inf if others else 0.0)
         ahead = [r for r in view if r.epoch > epoch]
         if ahead:
             await self._download_state(ahead)
@@ -593,7 +599,7 @@ class StageServer:
         if not (stage_ready(self.runtime.pending_samples, peers, self.cfg.optim.target_batch_size)
                 or await self._run_is_over(peers)):
             return None
-        now, grace = time.monotonic(), 3 * self.cfg.net.announce_period + 1.0
+        grace = 3 * self.cfg.net.announce_period + 1.0
         behind = {r.peer_id for r in view if r.epoch < epoch}
         self._behind_since = {p: self._behind_since.get(p, now) for p in behind}
         if any(now - since < grace for since in self._behind_since.values()):

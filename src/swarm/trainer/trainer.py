@@ -22,6 +22,7 @@ import itertools
 import json
 import logging
 import random
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,11 @@ class Trainer:
     # ---- the training loop -------------------------------------------------------------------
 
     async def train(self, stop: asyncio.Event | None = None) -> None:
+        """Train until the target steps (or SIGTERM, which lets the microbatches in flight finish and
+        their gradients settle; SIGINT or `stop` ends at once)."""
         self.stop = stop or asyncio.Event()
+        self.draining = False
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
         shard = SampleShard(
             load_documents(self.cfg.data), self.cfg.model.seq_len, self.tc.index, self.tc.num_trainers,
             self.cfg.data.seed,
@@ -165,7 +170,12 @@ class Trainer:
             self.dht.shutdown()
 
     def _finished(self) -> bool:
-        return self.stop.is_set() or min(self.stage_epoch) >= self.tc.target_steps
+        return self.stop.is_set() or self.draining or min(self.stage_epoch) >= self.tc.target_steps
+
+    def _drain(self) -> None:
+        if not self.draining:
+            log.info("trainer stopping: finishing the microbatches in flight")
+        self.draining = True
 
     def _samples(self) -> int:
         return sum(c.samples for c in self.completed)
