@@ -35,7 +35,7 @@ from swarm.config import load_config
 from swarm.config.recipes import DEMO
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, SwarmStatus
-from swarm.ops.report import collect
+from swarm.ops.report import collect, plot
 
 
 def _serving(peer) -> bool:
@@ -81,6 +81,7 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
     finally:
         swarm.stop()
     summary = collect(Path(cfg.run_dir))
+    plot(summary, Path(cfg.run_dir))  # throughput.png marks every kill
     start, end = began[0], began[0] + seconds
     done = [c for c in summary["_completed"] if start <= c[0] <= end]
     downtime += [end - t for t in down.values()]  # replacements not up by the end

@@ -287,6 +287,7 @@ def test_absent_member_fails_the_others_within_the_timeout() -> None:
     outcomes, elapsed = run_all(main())
     assert all(isinstance(o, RoundFailed) for o in outcomes), outcomes
     assert elapsed < SHORT + 1.0
+    assert all(o.unreachable == frozenset({"peerC"}) for o in outcomes)  # the one that sent nothing
     for peer in samples:
         assert members[peer]._rounds == {}
 

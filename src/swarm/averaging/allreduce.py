@@ -47,7 +47,8 @@ REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a los
 
 class RoundFailed(Exception):
     """This round did not complete on this member; its gradients are kept for the next try.
-    `unreachable`: members no call could reach (most likely dead; the next group should leave them out)."""
+    `unreachable`: members no call could reach, or that sent nothing before the timeout (dead or
+    frozen; the next group should leave them out)."""
 
     def __init__(self, message: str, unreachable: frozenset[str] = frozenset()):
         super().__init__(message)
@@ -157,7 +158,11 @@ class StageAllReduce:
             results = await asyncio.wait_for(gathered, self.timeout)
         except _Unreachable as e:
             raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
-        except (TimeoutError, CallFailed, BadRequest) as e:
+        except TimeoutError as e:  # members whose part never reached us are the ones that hang
+            silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
+            raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
+                              f"{self.timeout:.0f}s", silent) from e
+        except (CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e
             members = ",".join(map(short, group))

@@ -135,10 +135,21 @@ def plot(summary: dict[str, Any], run_dir: Path) -> None:
     rates = [sum(c[1] for c, ti in zip(completed, t, strict=True) if lo <= ti < lo + window) / window for lo in edges]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.step(edges, rates, where="post")
+    for i, event in enumerate(_faults(run_dir)):  # injected faults, where they happened
+        ax.axvline(event["time"] - start, color="tab:red", alpha=0.4, lw=1, label="fault" if i == 0 else None)
+        ax.annotate(event["kind"], (event["time"] - start, max(rates, default=0)), rotation=90, fontsize=7,
+                    color="tab:red", va="top")
+    if _faults(run_dir):
+        ax.legend()
     ax.set(xlabel="seconds", ylabel="samples/s", title=f"throughput (completed samples, {window:.0f}s windows)")
     fig.tight_layout()
     fig.savefig(run_dir / "throughput.png", dpi=110)
     plt.close(fig)
+
+
+def _faults(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "faults.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def _smooth(xs: list[float], n: int) -> list[float]:

@@ -526,8 +526,9 @@ class StageServer:
 
     def _on_wake(self, epoch: int, group: tuple[str, ...]) -> bool:
         """A groupmate began the round for our epoch: join it, with the group it proposed, unless that
-        group leaves out a replica we know is at this epoch (its samples would be dropped later)."""
-        if epoch != self.runtime.epoch or self.peer_id not in group:
+        group leaves out a replica we know is at this epoch (its samples would be dropped later) or
+        counts one that just failed a round of ours."""
+        if epoch != self.runtime.epoch or self.peer_id not in group or self._suspects.keys() & set(group):
             return False
         if self._peers_at_epoch[0] == epoch and not self._peers_at_epoch[1] <= set(group):
             return False
