@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -10,6 +9,7 @@ import signal
 import pytest
 
 from swarm.ops.local import LocalSwarm
+from swarm.ops.report import read_steps
 
 from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, small_config
 
@@ -104,8 +104,7 @@ def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
     for stage, epoch in stopped_at.items():
         for log in (tmp_path / "run2" / "logs").glob(f"server-s{stage}-*.log"):
             assert f"resumed from checkpoint at epoch {epoch}" in log.read_text()
-        first_step = min(json.loads(p.read_text())["steps"][0]["epoch"]
-                         for p in (tmp_path / "run2" / "peers").glob(f"server-s{stage}-*.json"))
+        first_step = min(steps[0]["epoch"] for steps in read_steps(tmp_path / "run2")[int(stage)])
         assert first_step == epoch + 1  # the step count continues
     # the loss continues too: the restarted run starts no worse than where the first one ended (it keeps
     # falling), far below a fresh start

@@ -14,34 +14,43 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def read_steps(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """Every step every server logged (killed ones too), by stage: one list per server."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((run_dir / "peers").glob("server-s*.steps.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        steps.setdefault(int(path.name.split("-")[1][1:]), []).append(records)
+    return steps
+
+
 def collect(run_dir: Path) -> dict[str, Any]:
     peers = [json.loads(p.read_text()) for p in sorted((run_dir / "peers").glob("*.json"))]
     servers = [p for p in peers if p["role"] == "server"]
     trainers = [p for p in peers if p["role"] == "trainer"]
     completed = sorted((c for t in trainers for c in t["completed"]), key=lambda c: c[0])
-    stages: dict[int, dict[str, Any]] = {}
-    step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
-    step_ids: dict[int, dict[int, list[list[str]]]] = {}  # stage -> epoch -> each replica's list of its ids
+    logged = read_steps(run_dir)
+    stages: dict[int, dict[str, Any]] = {k: {"replicas": []} for k in logged}
     for s in servers:
-        st = stages.setdefault(s["stage"], {"replicas": []})
-        st["replicas"].append(
+        stages.setdefault(s["stage"], {"replicas": []})["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
                                "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
                                "catch_ups", "lost_samples", "stale_refusals", "duplicates")}
         )
-        # every replica logs the whole stage's sample count for the steps it took part in
-        step_samples.setdefault(s["stage"], {}).update({step["epoch"]: step["samples"] for step in s["steps"]})
-        step_ids.setdefault(s["stage"], {})
-    for stage, known in step_ids.items():
+    step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
+    step_ids: dict[int, dict[int, list[list[str]]]] = {}  # stage -> epoch -> each replica's list of its ids
+    for stage in stages:
         # the ledgers of the replicas' final states are the stage's history (steps of a replica that
-        # later took a peer's state are superseded); older steps come from the step logs
-        replicas = [s for s in servers if s["stage"] == stage]
-        for s in replicas:
-            for epoch, ids in s.get("ledger", {}).items():
-                known.setdefault(int(epoch), []).append(ids)
+        # later took a peer's state are superseded); steps older than the ledgers come from the step logs
+        known = step_ids.setdefault(stage, {})
+        for s in servers:
+            if s["stage"] == stage:
+                for epoch, ids in s.get("ledger", {}).items():
+                    known.setdefault(int(epoch), []).append(ids)
         in_ledgers = set(known)
-        for s in replicas:
-            for step in s["steps"]:
+        samples = step_samples.setdefault(stage, {})
+        for records in logged.get(stage, []):
+            for step in records:
+                samples.setdefault(step["epoch"], step["samples"])
                 if step["epoch"] not in in_ledgers:
                     known.setdefault(step["epoch"], []).append(step["ids"])
     completed_ids = {f"{t['peer_id']}/{c[4]}" for t in trainers for c in t["completed"]}

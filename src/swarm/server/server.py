@@ -646,6 +646,7 @@ class StageServer:
             finally:
                 self._round_epoch = None
         self.steps.append(record)
+        self._log_step(record)
         if record.group > 1 and self.checkpoints is None:  # with checkpoints, only the disk counts
             self._durable_epoch = record.epoch
         log.info(
@@ -712,19 +713,27 @@ class StageServer:
 
     # ---- results -----------------------------------------------------------------------------
 
+    def _summary_path(self, suffix: str) -> Path:
+        out = Path(self.cfg.run_dir) / "peers"
+        out.mkdir(parents=True, exist_ok=True)
+        return out / f"server-s{self.stage}-{self.peer_id[-8:]}{suffix}"
+
+    def _log_step(self, record: StepRecord) -> None:
+        """Each step as it happens, one JSON line: the stage's history survives a replica that is killed."""
+        with open(self._summary_path(".steps.jsonl"), "a") as out:
+            out.write(json.dumps(asdict(record)) + "\n")
+
     def _write_summary(self) -> None:
         runtime = getattr(self, "runtime", None)
         if runtime is None or not hasattr(self, "peer_id"):
             return
-        out = Path(self.cfg.run_dir) / "peers"
-        out.mkdir(parents=True, exist_ok=True)
         summary = {
             "role": "server",
             "stage": self.stage,
             "peer_id": self.peer_id,
             "epoch": runtime.epoch,
             "digest": runtime.digest(),
-            "steps": [asdict(s) for s in self.steps],
+            "steps": len(self.steps),  # each one is in the .steps.jsonl beside this file
             "fast_backwards": runtime.fast_backwards,
             "recomputed_backwards": runtime.recomputed_backwards,
             "duplicates": runtime.duplicates,
@@ -735,4 +744,4 @@ class StageServer:
             "alive_seconds": time.time() - self.started,
             **self.counters,
         }
-        (out / f"server-s{self.stage}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary, indent=1))
+        self._summary_path(".json").write_text(json.dumps(summary, indent=1))

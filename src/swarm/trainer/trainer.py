@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import random
 import signal
 import time
@@ -115,6 +116,7 @@ class Trainer:
         self._waiting_logged: set[int] = set()
         self._requeued: list[torch.Tensor] = []  # batches whose forward failed: they are retried whole
         self._replaying: set[asyncio.Task] = set()
+        self._last_seen: dict[str, float] = {}  # server -> when it was last in our view (monotonic)
 
     def run(self) -> None:
         asyncio.run(self.train())
@@ -204,7 +206,7 @@ class Trainer:
                 served = await self._call(k, "backward", req, [x_k, grads[0]], prefer=peer, accumulating=True)
                 self._track(req, k, "backward", [x_k, grads[0]], served)
                 grads = served.tensors
-        except MicrobatchFailed as e:  # only when stopping: accumulating calls are retried until they succeed
+        except MicrobatchFailed as e:  # stopping, or refused: accumulating calls are otherwise retried
             self.failed += 1
             log.warning("microbatch %s abandoned: %s", req, e)
             return
@@ -322,13 +324,14 @@ class Trainer:
             if not open_ or not live:
                 continue
             ask = {max(live.values(), key=lambda r: r.epoch).peer_id}
-            ask |= {d.holder for d in open_ if d.holder in live}
+            ask |= {d.holder for d in open_ if self._seen_lately(d.holder)}
             answers = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
             answers = [a for a in answers if a is not None]
             if not answers:
                 continue
             for d in open_:
-                verdict = judge(d.epoch, d.holder in live, merge_answers(answers, d.req), self.tc.keep_epochs,
+                answer = merge_answers(answers, d.req)
+                verdict = judge(d.epoch, self._seen_lately(d.holder), answer, self.tc.keep_epochs,
                                 need_durable=not self.done)
                 if verdict is Verdict.DONE:
                     del self.deliveries[d.req, d.stage]
@@ -337,6 +340,11 @@ class Trainer:
                     task = asyncio.create_task(self._replay(d))
                     self._replaying.add(task)
                     task.add_done_callback(self._replaying.discard)
+
+    def _seen_lately(self, peer: str) -> bool:
+        """Whether a server counts as alive: in one of the views of the last few announcement periods.
+        One view that misses it (a DHT lookup can come back partial under load) does not make it dead."""
+        return time.monotonic() - self._last_seen.get(peer, -math.inf) < 3 * self.cfg.net.announce_period
 
     async def _ask_ledger(self, peer: str, stage: int, open_: list[Delivery]) -> dict | None:
         meta = {"stage": stage, "ids": [d.req for d in open_]}
@@ -404,6 +412,8 @@ class Trainer:
                 self._waiting_logged.discard(stage)
                 log.info("stage %d has %d server(s) again", stage, len(usable))
             self.view[stage] = usable
+            now = time.monotonic()
+            self._last_seen.update((r.peer_id, now) for r in usable)
 
     def _check_config(self) -> None:
         """Refuse to start against a swarm whose servers all run another model config."""
