@@ -244,12 +244,14 @@ class StageRuntime:
             group_["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.epoch += 1
         ids = sorted(self.pending) if ids is None else ids
+        # the network thread reads the ledger while this runs: commit first, then forget what was
+        # pending, then move the epoch, so a reader always finds a microbatch in one or the other
+        self._commit(ids, self.epoch + 1)
         self.pending, self.pending_samples = {}, 0
+        self.epoch += 1
         self.graphs.clear()
         self.last_digest = self.digest()
-        self._commit(ids, self.epoch)
         return StepRecord(self.epoch, samples, group, lr, norm, self.last_digest, ids)
 
     def _commit(self, ids: list[str], epoch: int) -> None:

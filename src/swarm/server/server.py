@@ -514,12 +514,12 @@ class StageServer:
             raise BadRequest("ledger takes a list of request ids")
         keys = {f"{caller}/{r}": r for r in ids}
         rt = self.runtime
-        return {
-            "epoch": rt.epoch,
-            "committed": {r: rt.committed[k] for k, r in keys.items() if k in rt.committed},
-            "pending": [r for k, r in keys.items() if k in rt.pending],
-            "durable": self._durable_epoch,
-        }, []
+        # read in the reverse order of a step's writes (commit, unpend, epoch; see apply_step) so that a
+        # step running meanwhile cannot make a microbatch look neither pending nor committed
+        epoch = rt.epoch
+        pending = [r for k, r in keys.items() if k in rt.pending]
+        committed = {r: e for k, r in keys.items() if (e := rt.committed.get(k)) is not None}
+        return {"epoch": epoch, "committed": committed, "pending": pending, "durable": self._durable_epoch}, []
 
     async def reduce(self, meta, tensors, caller):
         return await self.allreduce.contribute(meta, tensors, caller)
