@@ -1,5 +1,5 @@
 """Pure decision logic of the swarm: routing, bans, measurements, retries, partitioning, stepping,
-delivery.
+delivery, rebalancing.
 
 Purity rule: modules here import only the Python standard library and other `swarm.core` modules;
 no torch, numpy, asyncio, hivemind or sockets, and no global clock or global random state. Time is
@@ -10,6 +10,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 from swarm.core.bans import BanList
 from swarm.core.delivery import LedgerAnswer, Verdict, judge, merge_answers
 from swarm.core.partition import split_layers
+from swarm.core.rebalance import Move, choose_stage, plan_move
 from swarm.core.retry import backoff_delay
 from swarm.core.routing import (
     Candidate,
@@ -27,14 +28,17 @@ __all__ = [
     "Candidate",
     "LatencyTracker",
     "LedgerAnswer",
+    "Move",
     "RateMeter",
     "SmoothWeightedRoundRobin",
     "Verdict",
     "backoff_delay",
     "choose_server",
+    "choose_stage",
     "expected_group",
     "judge",
     "merge_answers",
+    "plan_move",
     "routing_weight",
     "split_layers",
     "stage_ready",

@@ -1,0 +1,88 @@
+"""Which server should move to which stage, so that no stage is the pipeline's bottleneck.
+
+A pipeline runs at the speed of its slowest stage, and a stage's capacity is the sum of its live
+servers' measured throughputs (samples/s of forward+backward), so servers of different speeds count
+by what they do. Every server evaluates the same plan from the same DHT figures: the single move
+into the bottleneck stage that helps it most (see `plan_move`). Only the server the plan names
+moves, which is the tie-break that keeps two servers from moving at once; the caller adds a cooldown
+and a random delay before acting, and re-checks that the plan still names it.
+
+A server's speed in another stage is predicted from how fast it is relative to its own stage's
+average, times the other stage's average (stages differ in cost per sample). A move is made only
+when it raises the bottleneck by at least `min_gain` (a factor): measurement noise smaller than that
+cannot make servers oscillate. Everything here is pure: the server, a simulator and the tests call
+the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+Layout = Mapping[int, Mapping[str, float]]  # stage -> {server id -> throughput}
+
+
+@dataclass(frozen=True)
+class Move:
+    peer: str
+    source: int
+    target: int
+    before: float  # the target's (the bottleneck's) capacity now
+    after: float  # predicted: the lesser of the target's and the source's capacities after the move
+
+
+def capacities(layout: Layout) -> dict[int, float]:
+    return {stage: sum(servers.values()) for stage, servers in layout.items()}
+
+
+def _speed_at(layout: Layout, peer_speed: float, source: int, target: int) -> float:
+    """The server's predicted throughput at `target`, from its speed relative to its stage's average."""
+    here = layout[source]
+    there = layout[target]
+    if not there:
+        return peer_speed  # nothing known of the other stage's cost: assume the same
+    mean_here = sum(here.values()) / len(here)
+    mean_there = sum(there.values()) / len(there)
+    return peer_speed / mean_here * mean_there if mean_here > 0 else mean_there
+
+
+def plan_move(layout: Layout, min_gain: float) -> Move | None:
+    """The best single move into the bottleneck stage, or None when none is worth making.
+
+    Candidates are the measured servers of stages that keep another server. A move is scored by the
+    lesser of the two capacities it changes (the bottleneck's after gaining the server, the giver's
+    after losing it), and made only if that is at least `min_gain` times the bottleneck's capacity
+    now: the bottleneck gains and the giver does not become a worse one. (With several stages tied at
+    the bottleneck, the pipeline's minimum rises only after one move per tied stage; each of those
+    moves passes this test.) Ties go to the smallest peer id, so every server that computes the plan
+    from the same figures names the same mover.
+    """
+    if min_gain < 1.0:
+        raise ValueError(f"min_gain must be >= 1, got {min_gain}")
+    caps = capacities(layout)
+    if len(caps) < 2:
+        return None
+    target = choose_stage(layout)
+    before = caps[target]
+    best: Move | None = None
+    for source, servers in layout.items():
+        if source == target or len(servers) < 2:
+            continue
+        for peer, speed in servers.items():
+            if speed <= 0:
+                continue
+            after = min(caps[source] - speed, before + _speed_at(layout, speed, source, target))
+            if best is None or (after, best.peer) > (best.after, peer):
+                best = Move(peer, source, target, before, after)
+    if best is None or best.after <= before or best.after < before * min_gain:
+        return None
+    return best
+
+
+def choose_stage(layout: Layout) -> int:
+    """Where a newcomer joins: the stage with the least capacity (an empty one first), the lowest index
+    among equals."""
+    caps = capacities(layout)
+    if not caps:
+        raise ValueError("no stages to choose from")
+    return min(caps, key=lambda stage: (caps[stage], stage))
