@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drop", type=float, default=0.0, help="delay: probability that a message is lost")
     p.add_argument("--blackhole", action="store_true", help="delay: lose every message")
     p.add_argument("--mbit", type=float, default=10.0, help="shape: link rate in Mbit/s each way")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
