@@ -98,8 +98,9 @@ def test_a_server_killed_during_an_all_reduce(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_frozen_server_catches_up_before_it_serves_again(tmp_path):
     """SIGSTOP for longer than every timeout, then SIGCONT: the stage stepped on without the frozen
-    replica, which must download the current state (not serve its stale weights) and rejoin."""
-    cfg = small_config(tmp_path, "trainer.target_steps=14")
+    replica, which must download the current state (not serve its stale weights) and rejoin.
+    (Enough steps that the run goes on well after the thaw: the stage steps alone meanwhile.)"""
+    cfg = small_config(tmp_path, "trainer.target_steps=40")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     frozen_for = cfg.trainer.request_timeout + cfg.net.record_ttl

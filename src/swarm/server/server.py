@@ -114,7 +114,8 @@ class StageServer:
         self._batch_waits: dict[BatchGraph, dict[str, tuple[torch.Tensor, asyncio.Future]]] = {}
         self._proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began
         self._behind_since: dict[str, float] = {}
-        self._suspects: dict[str, float] = {}  # replicas no call reached, until when they are left out
+        # replicas that failed a round of ours: until when they are left out, and the epoch they were at
+        self._suspects: dict[str, tuple[float, int]] = {}
         self._alone_since = math.inf  # since when no other replica of the stage is in view
         self._peers_at_epoch: tuple[int, set[str]] = (-1, set())  # other replicas last seen at our epoch
         self._announced_pending = 0
@@ -558,7 +559,7 @@ class StageServer:
                 failures += 1
                 self.counters["failed_rounds"] += 1
                 for peer in e.unreachable:  # left out of the next groups until its record expires
-                    self._suspects[peer] = time.monotonic() + self.cfg.net.record_ttl
+                    self._suspects[peer] = (time.monotonic() + self.cfg.net.record_ttl, self.runtime.epoch)
                 log.warning("stage %d step %d round failed (%s); retrying", self.stage, self.runtime.epoch + 1, e)
                 await asyncio.sleep(backoff_delay(failures, 0.2, 3.0, self.rng))
             except asyncio.CancelledError:
@@ -584,14 +585,17 @@ class StageServer:
             if proposed_epoch == epoch:
                 return group
         now = time.monotonic()
-        self._suspects = {p: until for p, until in self._suspects.items() if until > now}
         others = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id]
+        # a suspect stays one while its record does not move on: one that changed epoch is alive
+        epochs = {r.peer_id: r.epoch for r in others}
+        self._suspects = {p: (until, e) for p, (until, e) in self._suspects.items()
+                          if until > now and epochs.get(p, e) == e}
         view = [r for r in others if r.peer_id not in self._suspects]
         if view:
             self._alone_since = math.inf
         elif self._alone_since == math.inf:  # no need to wait for replicas we know but cannot reach
             self._alone_since = now - (math.inf if others else 0.0)
-        ahead = [r for r in view if r.epoch > epoch]
+        ahead = [r for r in others if r.epoch > epoch]  # a suspect further along still proves us behind
         if ahead:
             await self._download_state(ahead)
             return None
