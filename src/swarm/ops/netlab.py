@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass
 
 
-class NetLabError(RuntimeError):
+class NetLabError(OSError):
     """A namespace, link or queue could not be set up (not root, or iproute2 is missing)."""
 
 

@@ -609,8 +609,14 @@ class StageServer:
         self._behind_since = {p: self._behind_since.get(p, now) for p in behind}
         if any(now - since < grace for since in self._behind_since.values()):
             return None
-        if not view and (now - self._alone_since < grace or not await self.directory.trainers()):
-            return None  # alone with no trainer in view: more likely cut off from the swarm than its last replica
+        if not view:
+            if not await self.directory.trainers():
+                # no trainer in view either: more likely cut off from the swarm than its last replica, and
+                # once the swarm is back in view, its other replicas may take a moment more to appear
+                self._alone_since = max(self._alone_since, now)
+                return None
+            if now - self._alone_since < grace:
+                return None
         return expected_group(self.peer_id, peers)
 
     async def _resolve_divergence(self, error: WeightsDiverged) -> None:
