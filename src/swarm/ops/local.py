@@ -58,10 +58,13 @@ class Peer:
 @dataclass
 class SwarmStatus:
     epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
-    pending: int = 0  # samples accumulated but not yet stepped, over all servers
-    pending_by_stage: dict[int, int] = field(default_factory=dict)
+    pending_by_stage: dict[int, int] = field(default_factory=dict)  # samples accumulated, not yet stepped
     trainer_samples: int = 0
     loss: float = float("nan")
+
+    @property
+    def pending(self) -> int:
+        return sum(self.pending_by_stage.values())
 
     @property
     def min_epoch(self) -> int:
@@ -190,7 +193,6 @@ class LocalSwarm:
         for stage, records in (await directory.stages(self.cfg.model.num_stages)).items():
             status.epochs[stage] = sorted(r.epoch for r in records)
             status.pending_by_stage[stage] = sum(r.pending for r in records)
-            status.pending += status.pending_by_stage[stage]
         trainers = await directory.trainers()
         status.trainer_samples = sum(t.completed for t in trainers)
         losses = [t.loss for t in trainers if t.loss == t.loss]

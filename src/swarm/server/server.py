@@ -187,7 +187,8 @@ class StageServer:
         """Stop taking work, withdraw from the DHT, finish what was accepted, then go (bounded in time).
 
         New requests are already answered "shutting down" (trainers retry them elsewhere). Gradients
-        this replica holds but has not stepped leave with it; `lost_samples` in the summary counts them.
+        this replica holds but has not stepped leave with it (`lost_samples` in the summary counts
+        them); trainers accumulate them again elsewhere once its record is gone.
         """
         started = time.monotonic()
         log.info("stage %d server %s leaving", self.stage, short(self.peer_id))
