@@ -29,6 +29,7 @@ def small_config(run_dir: Path, *extra: str) -> SwarmConfig:
             "trainer.microbatch_size=4", "trainer.max_inflight=3", "trainer.target_steps=8",
             "trainer.request_timeout=10.0", "trainer.ban_seconds=3.0",
             "local.servers_per_stage=2", "local.trainers=2", "local.timeout=240.0",
+            "rebalance.enabled=false",  # servers stay on their stage unless a test turns it on
             *extra,
         ]
     )

@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--addr-file", help="also write the addresses to this file")
     p = sub.add_parser("server", help="serve one stage of the model")
     _common(p)
-    p.add_argument("--stage", type=int)
+    p.add_argument("--stage", help="the stage to serve, or 'auto': the one with the least capacity now")
     p.add_argument("--device", help="cpu, cuda or cuda:N")
     p.add_argument("--resume", metavar="DIR", help="checkpoint the stage into DIR, resuming from it if it holds one")
     p = sub.add_parser("trainer", help="feed microbatches through the swarm")
@@ -71,6 +71,9 @@ def _inject(args: argparse.Namespace) -> None:
 
 def _config(args: argparse.Namespace) -> SwarmConfig:
     overrides = list(args.overrides)
+    if getattr(args, "stage", None) == "auto":
+        overrides.append("server.auto_stage=true")
+        args.stage = None
     flags = {
         "initial_peers": ("net.initial_peers", lambda v: "[" + ",".join(f'"{a}"' for a in v) + "]"),
         "run_dir": ("run_dir", lambda v: f'"{v}"'),

@@ -124,6 +124,9 @@ class ServerConfig:
     """One stage server."""
 
     stage: int = 0
+    # join where the swarm needs a server most (the stage with the least capacity) instead of `stage`
+    auto_stage: bool = False
+    name: str = ""  # a label for this server in logs and in the DHT (e.g. the machine's name)
     device: str = "cpu"  # cpu, cuda, cuda:N
     autocast: str = "none"  # none, bf16, fp16
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
@@ -138,9 +141,13 @@ class ServerConfig:
     checkpoint_dir: str | None = None  # where the stage is checkpointed, and resumed from on start
     checkpoint_every: int = 10  # optimizer steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept per stage
+    # compute takes this many times as long as it does (the server sleeps the difference): a slower
+    # machine, for building swarms of unequal servers on one host
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
+        _require(self.slowdown >= 1.0, "server.slowdown", f"must be >= 1, got {self.slowdown}")
         _require(
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:"),
             "server.device",
@@ -154,6 +161,29 @@ class ServerConfig:
         _require(self.leave_timeout >= 0, "server.leave_timeout", "must be >= 0")
         _require(self.checkpoint_every > 0, "server.checkpoint_every", "must be positive")
         _require(self.keep_checkpoints > 0, "server.keep_checkpoints", "must be positive")
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    """Servers move between stages so that no stage is the pipeline's bottleneck (`swarm.core.rebalance`).
+
+    Every server looks at the swarm's layout (each stage's servers and measured throughputs) every
+    `period` seconds. The move the policy names is made only once every server of the swarm has served
+    its stage for `cooldown` seconds (long enough to measure its throughput there), and only by the
+    server it names, after a random delay of up to `jitter` seconds and a second look.
+    """
+
+    enabled: bool = True
+    period: float = 5.0
+    min_gain: float = 1.2  # a move must raise the bottleneck stage's capacity by this factor
+    cooldown: float = 20.0
+    jitter: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(self.period > 0, "rebalance.period", "must be positive")
+        _require(self.min_gain >= 1.0, "rebalance.min_gain", f"must be >= 1, got {self.min_gain}")
+        _require(self.cooldown >= 0, "rebalance.cooldown", "must be >= 0")
+        _require(self.jitter >= 0, "rebalance.jitter", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -200,6 +230,7 @@ class LocalSwarmConfig:
     """Shape of a swarm launched on this machine by `swarm demo` / `swarm local`."""
 
     servers_per_stage: int = 2
+    layout: tuple[int, ...] = ()  # servers started for each stage, e.g. [4, 1, 1]; overrides servers_per_stage
     trainers: int = 2
     threads_per_peer: int = 1
     timeout: float = 600.0  # seconds before the launcher gives up on the run
@@ -209,6 +240,7 @@ class LocalSwarmConfig:
 
     def __post_init__(self) -> None:
         _require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
+        _require(all(n >= 0 for n in self.layout), "local.layout", f"counts must be >= 0, got {list(self.layout)}")
         _require(self.trainers > 0, "local.trainers", "must be positive")
         _require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
 
@@ -221,10 +253,16 @@ class SwarmConfig:
     net: NetConfig = field(default_factory=NetConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     local: LocalSwarmConfig = field(default_factory=LocalSwarmConfig)
     run_dir: str = "runs/demo"
 
     def __post_init__(self) -> None:
+        _require(
+            not self.local.layout or len(self.local.layout) == self.model.num_stages,
+            "local.layout",
+            f"needs one count per stage ({len(self.local.layout)} given, model.num_stages={self.model.num_stages})",
+        )
         _require(
             self.server.stage < self.model.num_stages,
             "server.stage",

@@ -10,7 +10,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 from swarm.core.bans import BanList
 from swarm.core.delivery import LedgerAnswer, Verdict, judge, merge_answers
 from swarm.core.partition import split_layers
-from swarm.core.rebalance import Move, choose_stage, plan_move
+from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
 from swarm.core.retry import backoff_delay
 from swarm.core.routing import (
     Candidate,
@@ -29,15 +29,19 @@ __all__ = [
     "LatencyTracker",
     "LedgerAnswer",
     "Move",
+    "Seat",
     "RateMeter",
     "SmoothWeightedRoundRobin",
     "Verdict",
     "backoff_delay",
+    "capacities",
     "choose_server",
     "choose_stage",
+    "layout_of",
     "expected_group",
     "judge",
     "merge_answers",
+    "plan_for_swarm",
     "plan_move",
     "routing_weight",
     "split_layers",

@@ -16,10 +16,21 @@ the same functions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 Layout = Mapping[int, Mapping[str, float]]  # stage -> {server id -> throughput}
+
+
+@dataclass(frozen=True)
+class Seat:
+    """One server as its announcement shows it."""
+
+    peer: str
+    stage: int
+    throughput: float  # measured samples/s; 0 until measured
+    tenure: float = 0.0  # seconds it has served this stage
+    moving: bool = False  # already on its way to another stage
 
 
 @dataclass(frozen=True)
@@ -79,10 +90,30 @@ def plan_move(layout: Layout, min_gain: float) -> Move | None:
     return best
 
 
+def layout_of(seats: Iterable[Seat], num_stages: int) -> dict[int, dict[str, float]]:
+    """Every stage (empty ones too) with its servers' throughputs."""
+    layout: dict[int, dict[str, float]] = {stage: {} for stage in range(num_stages)}
+    for seat in seats:
+        if seat.stage in layout:
+            layout[seat.stage][seat.peer] = seat.throughput
+    return layout
+
+
+def plan_for_swarm(seats: Iterable[Seat], num_stages: int, min_gain: float, cooldown: float) -> Move | None:
+    """The move to make now, if any: none while a server is moving or has served its stage for less
+    than `cooldown` seconds (its throughput there is not known yet, and the last move's effect is not
+    measured: acting on it would move a second server for the same shortage)."""
+    seats = list(seats)
+    if any(seat.moving or seat.tenure < cooldown for seat in seats):
+        return None
+    return plan_move(layout_of(seats, num_stages), min_gain)
+
+
 def choose_stage(layout: Layout) -> int:
-    """Where a newcomer joins: the stage with the least capacity (an empty one first), the lowest index
-    among equals."""
+    """Where a newcomer joins: the stage with the least capacity (an empty one first), then the one with
+    fewer servers (so newcomers spread over stages whose servers are not measured yet), then the lowest
+    index."""
     caps = capacities(layout)
     if not caps:
         raise ValueError("no stages to choose from")
-    return min(caps, key=lambda stage: (caps[stage], stage))
+    return min(caps, key=lambda stage: (caps[stage], len(layout[stage]), stage))

@@ -58,6 +58,7 @@ class Peer:
 @dataclass
 class SwarmStatus:
     epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
+    members: dict[int, list[str]] = field(default_factory=dict)  # stage -> names of its live servers
     pending_by_stage: dict[int, int] = field(default_factory=dict)  # samples accumulated, not yet stepped
     trainer_samples: int = 0
     loss: float = float("nan")
@@ -74,6 +75,11 @@ class SwarmStatus:
 def fault_file(run_dir: Path, peer_name: str) -> Path:
     """Where a local peer reads the message delay/loss rules a fault injector sets for it."""
     return Path(run_dir) / "faults" / f"{peer_name}.json"
+
+
+def start_layout(cfg: SwarmConfig) -> tuple[int, ...]:
+    """How many servers a local swarm starts for each stage."""
+    return cfg.local.layout or (cfg.local.servers_per_stage,) * cfg.model.num_stages
 
 
 class LocalSwarm:
@@ -129,8 +135,8 @@ class LocalSwarm:
 
     def start(self) -> None:
         self.start_bootstrap()
-        for stage in range(self.cfg.model.num_stages):
-            for _ in range(self.cfg.local.servers_per_stage):
+        for stage, count in enumerate(start_layout(self.cfg)):
+            for _ in range(count):
                 self.add_server(stage)
         for index in range(self.cfg.local.trainers):
             self.add_trainer(index)
@@ -156,7 +162,7 @@ class LocalSwarm:
         """A server of `stage`; on a namespace host of its own if `namespace` (default: `local.netns`)."""
         self._counter += 1
         name = f"server-s{stage}-{self._counter}"
-        args = [self._peers_override(), f"server.stage={stage}", *overrides]
+        args = [self._peers_override(), f"server.stage={stage}", f'server.name="{name}"', *overrides]
         host = None
         if self.cfg.local.netns if namespace is None else namespace:
             if self.lab is None:
@@ -172,7 +178,13 @@ class LocalSwarm:
         return self._spawn("trainer", f"trainer-{index}", overrides)
 
     def servers(self, stage: int | None = None) -> list[Peer]:
+        """Live servers (of the stage they were started for, if `stage` is given)."""
         return [p for p in self.peers if p.role == "server" and p.alive() and (stage is None or p.stage == stage)]
+
+    def serving(self, status: SwarmStatus, stage: int) -> list[Peer]:
+        """The live servers that serve `stage` now, as the DHT shows them (servers move between stages)."""
+        names = set(status.members.get(stage, []))
+        return [p for p in self.servers() if p.name in names]
 
     def trainers(self) -> list[Peer]:
         return [p for p in self.peers if p.role == "trainer"]
@@ -192,6 +204,7 @@ class LocalSwarm:
         status = SwarmStatus()
         for stage, records in (await directory.stages(self.cfg.model.num_stages)).items():
             status.epochs[stage] = sorted(r.epoch for r in records)
+            status.members[stage] = sorted(r.name or r.peer_id for r in records)
             status.pending_by_stage[stage] = sum(r.pending for r in records)
         trainers = await directory.trainers()
         status.trainer_samples = sum(t.completed for t in trainers)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.config import SwarmConfig
-from swarm.ops.local import LocalSwarm
+from swarm.ops.local import LocalSwarm, start_layout
 from swarm.ops.report import write_report
 
 log = logging.getLogger("swarm.local")
@@ -20,10 +20,11 @@ def _interrupt(signum, frame) -> None:
 
 def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
     m, loc = cfg.model, cfg.local
+    layout = start_layout(cfg)
     log.info(
-        "local swarm: %d stages x %d servers, %d trainers, %d steps of %d samples; logs in %s/logs",
-        m.num_stages, loc.servers_per_stage, loc.trainers, cfg.trainer.target_steps, cfg.optim.target_batch_size,
-        cfg.run_dir,
+        "local swarm: %d stages with %s servers, %d trainers, %d steps of %d samples, rebalancing %s; logs in %s/logs",
+        m.num_stages, "/".join(map(str, layout)), loc.trainers, cfg.trainer.target_steps,
+        cfg.optim.target_batch_size, "on" if cfg.rebalance.enabled else "off", cfg.run_dir,
     )
     swarm = LocalSwarm(cfg)
     # a terminated launcher must not leave its peers behind: they run in sessions of their own

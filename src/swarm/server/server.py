@@ -24,7 +24,18 @@ import torch
 
 from swarm.averaging.allreduce import RoundFailed, StageAllReduce, WeightsDiverged
 from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
-from swarm.core import RateMeter, backoff_delay, expected_group, stage_ready
+from swarm.core import (
+    Move,
+    RateMeter,
+    Seat,
+    backoff_delay,
+    capacities,
+    choose_stage,
+    expected_group,
+    layout_of,
+    plan_for_swarm,
+    stage_ready,
+)
 from swarm.model import load_stages
 from swarm.net.directory import Directory, short
 from swarm.net.faultfile import FaultFile
@@ -78,9 +89,9 @@ def _expiry(meta: dict[str, Any]) -> Deadline:
     )
 
 
-def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module]) -> tuple[TensorSpec, TensorSpec | None]:
-    """What this stage accepts and emits, found by pushing one sample through the stages before it."""
-    k, seq = cfg.server.stage, cfg.model.seq_len
+def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module], k: int) -> tuple[TensorSpec, TensorSpec | None]:
+    """What stage `k` accepts and emits, found by pushing one sample through the stages before it."""
+    seq = cfg.model.seq_len
     ids_spec = TensorSpec(torch.int64, (seq,), max_value=cfg.model.vocab_size)
     x = torch.zeros(1, seq, dtype=torch.int64)
     with torch.no_grad():
@@ -96,18 +107,29 @@ def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module]) -> tuple[Tensor
 class StageServer:
     def __init__(self, cfg: SwarmConfig):
         self.cfg = cfg
-        self.stage = cfg.server.stage
         self.hash = config_hash(cfg.model)
         self.max_request_bytes = int(cfg.net.max_payload_mb * 2**20)
         self.rng = random.Random()
+        self.moves = 0
+        self._reset_stage(cfg.server.stage)
+
+    def _reset_stage(self, stage: int) -> None:
+        """Everything that belongs to serving one stage; a server that moves to another starts it afresh."""
+        self.stage = stage
+        # samples/s of compute, from windows of at least one announcement period: over the last few
+        # seconds for routing, and over the last half minute or so for rebalancing, which must not move
+        # servers on a passing fluctuation
         self.meter = RateMeter(alpha=0.3)
+        self.capacity_meter = RateMeter(alpha=0.05)
+        self._window_start = time.monotonic()
         self.steps: list[StepRecord] = []
         self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0}
         self._queued = 0
         self._window_samples = 0
         self._window_busy = 0.0
-        self.busy_seconds = 0.0  # compute-thread time over the server's life
+        self.busy_seconds = 0.0  # compute-thread time while serving this stage
         self.started = time.time()
+        self._stage_since = time.monotonic()
         self._fwd_queue: list[tuple[str, torch.Tensor, asyncio.Future]] = []
         self._tasks: set[asyncio.Task] = set()
         self._replies: dict[str, Any] = {}  # request key -> reply, for recent calls that accumulated gradients
@@ -123,6 +145,14 @@ class StageServer:
         self._stale_logged = -1  # the last epoch at which this replica said it is behind
         self._durable_epoch = 0  # the newest epoch that outlives this replica (see `ledger`)
         self._lapsed = False  # the process stalled so long that its DHT record may have lapsed
+        self._serving = False  # between entering the stage and leaving it
+        self._moving_to: int | None = None  # the stage this server is about to move to (see _rebalance_loop)
+
+    @property
+    def label(self) -> str:
+        """How logs name this server: the operator's name for it, if any, and the tail of its peer id."""
+        tail = short(self.peer_id) if hasattr(self, "peer_id") else "(starting)"
+        return f"{self.cfg.server.name} {tail}" if self.cfg.server.name else tail
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -139,19 +169,8 @@ class StageServer:
             loop.add_signal_handler(sig, self.stop.set)
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self._gate = asyncio.Lock()
-        self._fwd_ready = asyncio.Event()
-        self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
-
-        stages = load_stages(cfg.model)
-        self.in_spec, self.out_spec = probe_specs(cfg, stages)
-        module = stages[self.stage]
-        del stages  # only this stage's weights stay in memory
-        self.runtime = StageRuntime(module, cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
-        self.checkpoints = (
-            CheckpointStore(cfg.server.checkpoint_dir, self.stage, cfg.server.keep_checkpoints)
-            if cfg.server.checkpoint_dir else None
-        )
+        self._moved = asyncio.Event()
 
         self.dht = start_dht(cfg.net)
         try:
@@ -160,43 +179,92 @@ class StageServer:
             faults = FaultFile(cfg.net.fault_file) if cfg.net.fault_file else None
             self.client = StageClient(p2p, faults)
             self.directory = Directory(self.dht, cfg.net.run_id, cfg.net.record_ttl)
-            self.allreduce = StageAllReduce(
-                self.client, self.peer_id, self.stage, cfg.net.allreduce_timeout, self._on_wake
-            )
             await self._check_configs()
             await StageServicer(self, faults).add_p2p_handlers(p2p)
-            self._resume_from_disk()
-            ahead = [r for r in await self.directory.stage(self.stage) if r.epoch > self.runtime.epoch]
-            if ahead:
-                await self._download_state(ahead)
-            log.info(
-                "stage %d server %s up on %s, epoch %d, device %s",
-                self.stage, short(self.peer_id), visible_addresses(self.dht)[0], self.runtime.epoch,
-                cfg.server.device,
-            )
-            await self._announce()
-            tasks = [asyncio.create_task(t) for t in (self._announce_loop(), self._step_loop(), self._batch_loop())]
-            await self.stop.wait()
-            await self._leave(tasks)
+            stage = await self._first_stage()
+            while True:
+                await self._enter_stage(stage)
+                loops = [self._announce_loop(), self._step_loop(), self._batch_loop()]
+                if cfg.rebalance.enabled:
+                    loops.append(self._rebalance_loop())
+                tasks = [asyncio.create_task(t) for t in loops]
+                waits = [asyncio.ensure_future(e.wait()) for e in (self.stop, self._moved)]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
+                target = None if self.stop.is_set() else self._moving_to
+                await self._leave(tasks, target)
+                if target is None:
+                    break
+                self._write_summary()  # the summary of the stage it leaves, as a replica that left
+                stage = target
         finally:
             self._write_summary()
             self._executor.shutdown(wait=True)
             self.dht.shutdown()
 
-    async def _leave(self, tasks: list[asyncio.Task]) -> None:
-        """Stop taking work, withdraw from the DHT, finish what was accepted, then go (bounded in time).
+    async def _first_stage(self) -> int:
+        """The configured stage, or with `server.auto_stage` the one with the least capacity now."""
+        if not self.cfg.server.auto_stage:
+            return self.cfg.server.stage
+        seats = await self._seats()
+        stage = choose_stage(layout_of(seats, self.cfg.model.num_stages))
+        caps = capacities(layout_of(seats, self.cfg.model.num_stages))
+        log.info("server %s joins stage %d, the one with the least capacity (samples/s by stage: %s)",
+                 self.label, stage, " ".join(f"{k}:{c:.1f}" for k, c in caps.items()))
+        return stage
+
+    async def _enter_stage(self, stage: int) -> None:
+        """Build the stage's module, take its newest state (from disk or from its live replicas), announce."""
+        cfg = self.cfg
+        self._reset_stage(stage)
+        self._fwd_ready = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._moved.clear()
+        loop = asyncio.get_running_loop()
+        self.runtime, self.in_spec, self.out_spec = await loop.run_in_executor(self._executor, self._build, stage)
+        self.checkpoints = (
+            CheckpointStore(cfg.server.checkpoint_dir, stage, cfg.server.keep_checkpoints)
+            if cfg.server.checkpoint_dir else None
+        )
+        self.allreduce = StageAllReduce(self.client, self.peer_id, stage, cfg.net.allreduce_timeout, self._on_wake)
+        self._resume_from_disk()
+        ahead = [r for r in await self.directory.stage(stage) if r.epoch > self.runtime.epoch]
+        if ahead:
+            await self._download_state(ahead)
+        self._serving = True
+        log.info(
+            "stage %d server %s up on %s, epoch %d, device %s",
+            stage, self.label, visible_addresses(self.dht)[0], self.runtime.epoch, cfg.server.device,
+        )
+        await self._announce()
+
+    def _build(self, stage: int) -> tuple[StageRuntime, TensorSpec, TensorSpec | None]:
+        """The stage's runtime at its initial weights, and what it accepts and emits (on the compute thread)."""
+        cfg = self.cfg
+        stages = load_stages(cfg.model)
+        in_spec, out_spec = probe_specs(cfg, stages, stage)
+        runtime = StageRuntime(stages[stage], cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
+        return runtime, in_spec, out_spec
+
+    async def _leave(self, tasks: list[asyncio.Task], target: int | None = None) -> None:
+        """Stop taking work, withdraw from the stage, finish what was accepted, then go (bounded in time):
+        out of the swarm, or on to stage `target`.
 
         New requests are already answered "shutting down" (trainers retry them elsewhere). Gradients
         this replica holds but has not stepped leave with it (`lost_samples` in the summary counts
         them); trainers accumulate them again elsewhere once its record is gone.
         """
         started = time.monotonic()
-        log.info("stage %d server %s leaving", self.stage, short(self.peer_id))
-        announcer, stepper, batcher = tasks
-        announcer.cancel()
+        self._serving = False
+        log.info("stage %d server %s %s", self.stage, self.label,
+                 "leaving" if target is None else f"moving to stage {target}")
+        announcer, stepper, batcher, *others = tasks
+        for task in (announcer, *others):
+            task.cancel()
         async with self._gate:  # a round in progress holds the gate: it finishes for the whole stage first
             stepper.cancel()
-        await asyncio.gather(announcer, stepper, return_exceptions=True)
+        await asyncio.gather(announcer, stepper, *others, return_exceptions=True)
         await self.directory.withdraw_server(self._record())
         deadline = started + self.cfg.server.leave_timeout
         while (self._fwd_queue or self._queued > 0) and time.monotonic() < deadline:
@@ -208,7 +276,7 @@ class StageServer:
         if self.checkpoints is not None and self.steps:
             await self._checkpoint()  # a restart continues exactly where this replica left off
         self.counters["lost_samples"] += self.runtime.pending_samples
-        log.info("stage %d server %s left after %.1fs%s", self.stage, short(self.peer_id),
+        log.info("stage %d server %s left after %.1fs%s", self.stage, self.label,
                  time.monotonic() - started,
                  f", dropping {self.runtime.pending_samples} unstepped samples" if self.runtime.pending_samples else "")
 
@@ -229,17 +297,23 @@ class StageServer:
             peer_id=self.peer_id,
             stage=self.stage,
             throughput=self.meter.rate,
+            capacity=self.capacity_meter.rate,
             queue=self._queued,
             epoch=self.runtime.epoch,
             pending=self.runtime.pending_samples,
             config_hash=self.hash,
             model=model_fingerprint(self.cfg.model),
+            tenure=time.monotonic() - self._stage_since,
+            moving=self._moving_to is not None,
+            name=self.cfg.server.name,
         )
 
     async def _announce(self) -> None:
-        if self._window_busy > 0:
-            self.meter.update(self._window_samples, self._window_busy)
-            self._window_samples, self._window_busy = 0, 0.0
+        now = time.monotonic()
+        if self._window_busy > 0 and now - self._window_start >= self.cfg.net.announce_period:
+            for meter in (self.meter, self.capacity_meter):
+                meter.update(self._window_samples, self._window_busy)
+            self._window_samples, self._window_busy, self._window_start = 0, 0.0, now
         record = self._record()
         await self.directory.announce_server(record)
         self._announced_pending = record.pending
@@ -265,7 +339,7 @@ class StageServer:
             now = time.monotonic()
             if now - tick > ttl - period:
                 self._lapsed = True
-                log.warning("stage %d server %s stalled for %.1fs", self.stage, short(self.peer_id), now - tick)
+                log.warning("stage %d server %s stalled for %.1fs", self.stage, self.label, now - tick)
             tick = now
             if sending is not None and not sending.done():
                 continue
@@ -286,7 +360,7 @@ class StageServer:
         lost = self.runtime.discard_gradients()
         self.counters["lost_samples"] += lost
         log.warning("stage %d server %s was taken for gone: dropping %d unstepped samples, which trainers "
-                    "send again", self.stage, short(self.peer_id), lost)
+                    "send again", self.stage, self.label, lost)
         return True
 
     # ---- compute ------------------------------------------------------------------------------
@@ -312,7 +386,7 @@ class StageServer:
         """Run on the compute thread. Shielded: a cancelled caller must not release the gate while
         the thread still works (a step could then read gradients half accumulated)."""
         start = time.perf_counter()
-        job = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        job = asyncio.get_running_loop().run_in_executor(self._executor, self._slowed, fn, *args)
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
@@ -322,6 +396,15 @@ class StageServer:
             elapsed = time.perf_counter() - start
             self._window_busy += elapsed
             self.busy_seconds += elapsed
+
+    def _slowed(self, fn, *args):
+        """Run `fn`, then idle `server.slowdown - 1` times as long: a slower machine, to the swarm."""
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if self.cfg.server.slowdown > 1.0:
+                time.sleep((self.cfg.server.slowdown - 1.0) * (time.perf_counter() - start))
 
     async def _batch_loop(self) -> None:
         """Merge forward requests that queued up while the compute thread was busy into one batch."""
@@ -351,13 +434,24 @@ class StageServer:
 
     # ---- RPC handlers (called by StageServicer) --------------------------------------------------
 
-    def _admit(self, meta: dict[str, Any], caller: str) -> str:
+    def _check_stage(self, meta: dict[str, Any]) -> None:
+        """Callers find servers through the DHT, whose view lags: one that still takes this server for a
+        replica of a stage it left (or is leaving) is sent elsewhere."""
         if self.stop.is_set():
             raise Unavailable("server is shutting down")
+        if not self._serving:
+            raise Unavailable("server is between stages")
+        if meta.get("stage") != self.stage:
+            raise Unavailable(f"this server hosts stage {self.stage}, not {meta.get('stage')!r}")
+
+    def _admit(self, meta: dict[str, Any], caller: str, new_work: bool) -> str:
+        """The request's key, once it is known to be for this stage, from a compatible caller, not stale.
+        `new_work`: a microbatch new to this server, which it no longer takes once it is moving."""
+        self._check_stage(meta)
         if meta.get("config") != self.hash:
             raise BadRequest(f"model config hash {meta.get('config')!r} differs from this server's {self.hash}")
-        if meta.get("stage") != self.stage:
-            raise BadRequest(f"this server hosts stage {self.stage}, not {meta.get('stage')!r}")
+        if new_work and self._moving_to is not None:
+            raise Unavailable(f"this server is moving to stage {self._moving_to}")
         req = meta.get("req")
         if not isinstance(req, str) or not req:
             raise BadRequest("missing request id")
@@ -375,7 +469,7 @@ class StageServer:
         if self._stale_logged != self.runtime.epoch:
             self._stale_logged = self.runtime.epoch
             log.warning("stage %d server %s is at epoch %d but the stage is at %d: catching up before serving",
-                        self.stage, short(self.peer_id), self.runtime.epoch, stage_epoch)
+                        self.stage, self.label, self.runtime.epoch, stage_epoch)
         self._wake.set()
         raise Unavailable(f"stale replica: at epoch {self.runtime.epoch}, the stage is at {stage_epoch}")
 
@@ -411,7 +505,7 @@ class StageServer:
         return x, dy
 
     async def forward(self, meta, tensors, caller):
-        key = self._admit(meta, caller)
+        key = self._admit(meta, caller, new_work=True)
         x, targets = self._check_forward(tensors)
         if targets is not None:
             if (cached := self._cached_reply(key)) is not None:
@@ -427,7 +521,7 @@ class StageServer:
         return {"epoch": self.runtime.epoch}, [await fut]
 
     async def backward(self, meta, tensors, caller):
-        key = self._admit(meta, caller)
+        key = self._admit(meta, caller, new_work=False)
         x, dy = self._check_backward(tensors)
         if (cached := self._cached_reply(key)) is not None:
             return cached
@@ -504,6 +598,7 @@ class StageServer:
         return reply
 
     async def state(self, meta, tensors, caller):
+        self._check_stage(meta)
         return await self._compute(self.runtime.state)
 
     async def ledger(self, meta, tensors, caller):
@@ -511,6 +606,7 @@ class StageServer:
         this replica's unstepped gradient, or neither. `durable` is the newest epoch that would outlive
         this replica: on disk when the stage keeps checkpoints, else reached by a step two or more
         replicas took (or loaded from a peer)."""
+        self._check_stage(meta)
         ids = meta.get("ids")
         if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
             raise BadRequest("ledger takes a list of request ids")
@@ -524,6 +620,7 @@ class StageServer:
         return {"epoch": epoch, "committed": committed, "pending": pending, "durable": self._durable_epoch}, []
 
     async def reduce(self, meta, tensors, caller):
+        self._check_stage(meta)
         return await self.allreduce.contribute(meta, tensors, caller)
 
     def _on_wake(self, epoch: int, group: tuple[str, ...]) -> bool:
@@ -537,6 +634,86 @@ class StageServer:
         self._proposal = (epoch, group)
         self._wake.set()
         return True
+
+    # ---- moving between stages ---------------------------------------------------------------
+
+    async def _seats(self) -> list[Seat]:
+        """Every live server of the run (with our model config) as the rebalancing policy sees it."""
+        stages = await self.directory.stages(self.cfg.model.num_stages)
+        return [Seat(r.peer_id, r.stage, r.capacity, r.tenure, r.moving)
+                for records in stages.values() for r in records if r.config_hash == self.hash]
+
+    async def _planned_move(self) -> tuple[Move, dict[int, float]] | None:
+        """The move the policy makes now if it is this server's, with the stages' capacities: none once
+        the trainers are done (the run is ending) or while this server's own record is not in view (the
+        view is then incomplete)."""
+        trainers = await self.directory.trainers()
+        if not trainers or all(t.done for t in trainers):
+            return None
+        seats = await self._seats()
+        if self.peer_id not in {seat.peer for seat in seats}:
+            return None
+        rc, stages = self.cfg.rebalance, self.cfg.model.num_stages
+        move = plan_for_swarm(seats, stages, rc.min_gain, rc.cooldown)
+        if move is None or move.peer != self.peer_id:
+            return None
+        return move, capacities(layout_of(seats, stages))
+
+    async def _rebalance_loop(self) -> None:
+        """Look at the swarm's layout every period; when the policy names this server, look again after
+        a random delay (another server may have acted meanwhile), then drain and move."""
+        rc = self.cfg.rebalance
+        while True:
+            await asyncio.sleep(rc.period)
+            try:
+                if await self._planned_move() is None:
+                    continue
+                await asyncio.sleep(self.rng.uniform(0.0, rc.jitter))
+                planned = await self._planned_move()
+                if planned is not None and await self._drain_for(*planned):
+                    self._moved.set()
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a DHT lookup that failed: the next period looks again
+                log.warning("rebalancing check failed: %s", e)
+
+    async def _drain_for(self, move: Move, caps: dict[int, float]) -> bool:
+        """Finish this stage's work before moving: trainers route new microbatches elsewhere (the record
+        says `moving`, and new work is refused), the in-flight ones' backward passes are still served,
+        and the stage's next step takes in the gradients this replica holds, so nothing is left to
+        replay. Bounded by `server.leave_timeout`; what is still held then is dropped (and replayed by
+        its trainers). False if the move is called off: no other server is left to serve the stage."""
+        started = time.monotonic()
+        self._moving_to = move.target
+        log.info("stage %d server %s moves to stage %d (samples/s by stage: %s; bottleneck %.1f -> %.1f "
+                 "predicted); finishing its work here", self.stage, self.label, move.target,
+                 " ".join(f"{k}:{c:.1f}" for k, c in caps.items()), move.before, move.after)
+        await self._announce()
+        deadline = started + self.cfg.server.leave_timeout
+        while time.monotonic() < deadline and (
+            self.runtime.pending_samples or self._queued or self._fwd_queue or self.runtime.graphs
+        ):
+            await asyncio.sleep(0.05)
+        others = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id and not r.moving]
+        if not others:
+            log.warning("stage %d server %s stays: no other server of the stage is left", self.stage, self.label)
+            self._moving_to = None
+            await self._announce()
+            return False
+        self.moves += 1
+        self._log_move(move, caps, time.monotonic() - started)
+        return True
+
+    def _log_move(self, move: Move, caps: dict[int, float], drained: float) -> None:
+        """Each move as one JSON line beside the server's summaries, for reports and plots."""
+        entry = {"time": time.time(), "peer_id": self.peer_id, "name": self.cfg.server.name, "source": move.source,
+                 "target": move.target, "before": move.before, "after": move.after, "capacities": caps,
+                 "drain_seconds": drained, "held_samples": self.runtime.pending_samples}
+        out = Path(self.cfg.run_dir) / "peers"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"moves-{self.peer_id[-8:]}.jsonl", "a") as f:
+            f.write(json.dumps(entry) + "\n")
 
     # ---- the stage's optimizer step ------------------------------------------------------------
 
@@ -717,7 +894,7 @@ class StageServer:
                 self._durable_epoch = self.runtime.epoch  # the source holds it too
             log.info(
                 "stage %d server %s loaded epoch %d from %s%s",
-                self.stage, short(self.peer_id), self.runtime.epoch, short(source.peer_id),
+                self.stage, self.label, self.runtime.epoch, short(source.peer_id),
                 f" (dropped {lost} samples computed at older weights)" if lost else "",
             )
             return
@@ -751,6 +928,7 @@ class StageServer:
             # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
             "ledger": {str(e): ids for e, ids in runtime.ledger().items()},
             "throughput": self.meter.rate,
+            "capacity": self.capacity_meter.rate,
             "busy_seconds": self.busy_seconds,
             "alive_seconds": time.time() - self.started,
             **self.counters,

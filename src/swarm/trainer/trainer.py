@@ -116,7 +116,9 @@ class Trainer:
         self._waiting_logged: set[int] = set()
         self._requeued: list[torch.Tensor] = []  # batches whose forward failed: they are retried whole
         self._replaying: set[asyncio.Task] = set()
-        self._last_seen: dict[str, float] = {}  # server -> when it was last in our view (monotonic)
+        # (stage, server) -> when it was last in our view of the stage (monotonic); a server that moved to
+        # another stage is gone from this one
+        self._last_seen: dict[tuple[int, str], float] = {}
 
     def run(self) -> None:
         asyncio.run(self.train())
@@ -219,8 +221,9 @@ class Trainer:
         live = {r.peer_id: r for r in self.view[stage]}
         if prefer in live and not self.bans.is_banned(prefer, now):
             return prefer
-        candidates = [
-            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0)) for r in live.values()
+        candidates = [  # a server on its way to another stage takes no new work
+            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0))
+            for r in live.values() if not r.moving
         ]
         if self.tc.routing == "wrr":
             return self.round_robin[stage].pick(candidates, self.bans.banned(now))
@@ -324,14 +327,14 @@ class Trainer:
             if not open_ or not live:
                 continue
             ask = {max(live.values(), key=lambda r: r.epoch).peer_id}
-            ask |= {d.holder for d in open_ if self._seen_lately(d.holder)}
+            ask |= {d.holder for d in open_ if self._seen_lately(stage, d.holder)}
             answers = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
             answers = [a for a in answers if a is not None]
             if not answers:
                 continue
             for d in open_:
                 answer = merge_answers(answers, d.req)
-                verdict = judge(d.epoch, self._seen_lately(d.holder), answer, self.tc.keep_epochs,
+                verdict = judge(d.epoch, self._seen_lately(stage, d.holder), answer, self.tc.keep_epochs,
                                 need_durable=not self.done)
                 if verdict is Verdict.DONE:
                     del self.deliveries[d.req, d.stage]
@@ -341,10 +344,10 @@ class Trainer:
                     self._replaying.add(task)
                     task.add_done_callback(self._replaying.discard)
 
-    def _seen_lately(self, peer: str) -> bool:
+    def _seen_lately(self, stage: int, peer: str) -> bool:
         """Whether a server counts as alive: in one of the views of the last few announcement periods.
         One view that misses it (a DHT lookup can come back partial under load) does not make it dead."""
-        return time.monotonic() - self._last_seen.get(peer, -math.inf) < 3 * self.cfg.net.announce_period
+        return time.monotonic() - self._last_seen.get((stage, peer), -math.inf) < 3 * self.cfg.net.announce_period
 
     async def _ask_ledger(self, peer: str, stage: int, open_: list[Delivery]) -> dict | None:
         meta = {"stage": stage, "ids": [d.req for d in open_]}
@@ -413,7 +416,7 @@ class Trainer:
                 log.info("stage %d has %d server(s) again", stage, len(usable))
             self.view[stage] = usable
             now = time.monotonic()
-            self._last_seen.update((r.peer_id, now) for r in usable)
+            self._last_seen.update(((stage, r.peer_id), now) for r in usable)
 
     def _check_config(self) -> None:
         """Refuse to start against a swarm whose servers all run another model config."""

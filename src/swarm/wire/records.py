@@ -58,18 +58,22 @@ class ServerRecord(_Record):
 
     peer_id: str
     stage: int
-    throughput: float  # samples/s of forward+backward, measured
+    throughput: float  # samples/s of forward+backward, measured over the last few seconds (for routing)
     queue: int  # requests waiting for compute
     epoch: int  # optimizer steps this replica has applied
     pending: int  # samples accumulated toward the next step
     config_hash: str
     model: dict  # the model config, so a mismatch can be explained field by field
     gone: bool = False  # tombstone written on graceful exit
+    capacity: float = 0.0  # the same over the last half minute or so (for rebalancing)
+    tenure: float = 0.0  # seconds this server has served this stage (rebalancing waits for settled ones)
+    moving: bool = False  # finishing its work here before it moves to another stage: route new work elsewhere
+    name: str = ""  # the operator's label for the server, if any
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> ServerRecord:
         fields = _fields_from(cls, value)
-        if fields["stage"] < 0 or fields["epoch"] < 0 or fields["pending"] < 0 or fields["queue"] < 0:
+        if min(fields["stage"], fields["epoch"], fields["pending"], fields["queue"], fields.get("tenure", 0)) < 0:
             raise RecordError("negative counter")
         return cls(peer_id=peer_id, **fields)
 
