@@ -83,6 +83,11 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (['trainer.routing="nearest"'], "trainer.routing"),
         (["server.merge_samples=-1"], "server.merge_samples"),
         (['server.device="tpu"'], "server.device"),
+        (["server.slowdown=0.5"], "server.slowdown"),
+        (["rebalance.min_gain=0.9"], "rebalance.min_gain"),
+        (["rebalance.period=0"], "rebalance.period"),
+        (["local.layout=[4,1]", "model.num_stages=3"], "local.layout"),
+        (["local.layout=[2,-1]", "model.num_stages=2"], "local.layout"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
@@ -144,3 +149,11 @@ def test_describe_mismatch_lists_differing_fields():
     assert "n_layers: 6 here, 8 there" in message
     assert "n_heads" not in message
     assert describe_mismatch(mine, mine) == "no field differs"
+
+
+@pytest.mark.parametrize(("flag", "auto", "stage"), [("auto", True, 0), ("2", False, 2)])
+def test_server_stage_flag_takes_a_number_or_auto(flag: str, auto: bool, stage: int) -> None:
+    from swarm.cli.main import _config, _parser
+
+    cfg = _config(_parser().parse_args(["server", "--stage", flag, "--set", "model.num_stages=3"]))
+    assert (cfg.server.auto_stage, cfg.server.stage) == (auto, stage)

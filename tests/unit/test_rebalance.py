@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from swarm.core.rebalance import Move, capacities, choose_stage, plan_move
+from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
 
 
 def test_a_balanced_swarm_makes_no_move() -> None:
@@ -41,8 +41,8 @@ def test_capacity_not_count_decides_with_unequal_servers() -> None:
     layout = {0: {"fast": 30.0, "slow": 10.0}, 1: {"x": 10.0}}
     move = plan_move(layout, min_gain=1.1)
     assert move is not None and move.peer == "slow" and move.target == 1
-    assert move.after == pytest.approx(15.0)  # 30 left in stage 0; 10 + 10/20*10 in stage 1
-    # the fast one would score min(10, 10 + 15) = 10: no gain
+    assert move.after == pytest.approx(20.0)  # 30 left in stage 0; 10 + 10 in stage 1
+    # the fast one would score min(10, 10 + 30) = 10: no gain
 
 
 def test_small_gains_are_not_worth_a_move() -> None:
@@ -58,8 +58,31 @@ def test_min_gain_below_one_is_refused() -> None:
 def test_a_newcomer_joins_the_bottleneck() -> None:
     assert choose_stage({0: {"a": 10.0}, 1: {"b": 4.0}, 2: {"c": 4.0}}) == 1
     assert choose_stage({0: {"a": 10.0}, 1: {"b": 4.0}, 2: {}}) == 2
+    # before anything is measured, newcomers spread over the stages with the fewest servers
+    assert choose_stage({0: {"a": 0.0}, 1: {}, 2: {"c": 0.0}}) == 1
+    assert choose_stage({0: {"a": 0.0, "b": 0.0}, 1: {"c": 0.0}, 2: {"d": 0.0}}) == 1
     with pytest.raises(ValueError):
         choose_stage({})
+
+
+def test_the_swarm_plan_includes_empty_stages() -> None:
+    seats = [Seat("a", 0, 10.0, 60.0), Seat("b", 0, 10.0, 60.0)]
+    assert layout_of(seats, 2) == {0: {"a": 10.0, "b": 10.0}, 1: {}}
+    assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) == Move("a", 0, 1, before=0.0, after=10.0)
+
+
+@pytest.mark.parametrize(
+    "newcomer",
+    [Seat("c", 1, 4.0, tenure=5.0), Seat("c", 1, 4.0, tenure=90.0, moving=True)],
+    ids=["a server that just arrived", "a server on its way"],
+)
+def test_no_move_until_the_last_one_is_measured(newcomer: Seat) -> None:
+    """A server that just joined or moved has no settled figure yet, and the last move's effect is not
+    measured: acting now could move a second server for the same shortage."""
+    seats = [Seat("a", 0, 10.0, 60.0), Seat("b", 0, 10.0, 60.0), Seat("d", 0, 10.0, 60.0), newcomer]
+    assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) is None
+    settled = Seat(newcomer.peer, newcomer.stage, newcomer.throughput, tenure=30.0)
+    assert plan_for_swarm([*seats[:3], settled], 2, min_gain=1.2, cooldown=30.0) is not None
 
 
 # ---- simulated rounds --------------------------------------------------------------------------

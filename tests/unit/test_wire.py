@@ -37,10 +37,12 @@ def trainer_record(**overrides: Any) -> TrainerRecord:
 # ---- records -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("gone", [False, True])
-def test_server_record_round_trip(gone: bool) -> None:
+@pytest.mark.parametrize(
+    "extra", [{}, {"gone": True}, {"capacity": 9.5, "tenure": 31.0, "moving": True, "name": "gpu-a"}]
+)
+def test_server_record_round_trip(extra: dict[str, Any]) -> None:
     """to_value drops the peer id (it is the DHT subkey) and from_value restores an equal record."""
-    record = server_record(gone=gone)
+    record = server_record(**extra)
     value = record.to_value()
     assert "peer_id" not in value
     assert ServerRecord.from_value("QmServer", value) == record
@@ -61,6 +63,11 @@ def test_server_record_defaults_tombstone_and_widens_int_throughput() -> None:
     parsed = ServerRecord.from_value("QmServer", value)
     assert parsed.gone is False
     assert parsed.throughput == 3.0 and isinstance(parsed.throughput, float)
+
+
+def test_a_negative_tenure_is_refused() -> None:
+    with pytest.raises(RecordError, match="negative"):
+        ServerRecord.from_value("QmServer", server_record(tenure=-1.0).to_value())
 
 
 @pytest.mark.parametrize("value", [None, 5, "stage", [1, 2], (1,)])

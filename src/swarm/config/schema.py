@@ -231,6 +231,9 @@ class LocalSwarmConfig:
 
     servers_per_stage: int = 2
     layout: tuple[int, ...] = ()  # servers started for each stage, e.g. [4, 1, 1]; overrides servers_per_stage
+    # server.slowdown of each server in start order (stage 0's first), for a swarm of unequal machines;
+    # servers beyond the list run at full speed
+    slowdowns: tuple[float, ...] = ()
     trainers: int = 2
     threads_per_peer: int = 1
     timeout: float = 600.0  # seconds before the launcher gives up on the run
@@ -241,6 +244,7 @@ class LocalSwarmConfig:
     def __post_init__(self) -> None:
         _require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
         _require(all(n >= 0 for n in self.layout), "local.layout", f"counts must be >= 0, got {list(self.layout)}")
+        _require(all(f >= 1 for f in self.slowdowns), "local.slowdowns", f"must be >= 1, got {list(self.slowdowns)}")
         _require(self.trainers > 0, "local.trainers", "must be positive")
         _require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
 

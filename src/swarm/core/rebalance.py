@@ -7,10 +7,14 @@ into the bottleneck stage that helps it most (see `plan_move`). Only the server 
 moves, which is the tie-break that keeps two servers from moving at once; the caller adds a cooldown
 and a random delay before acting, and re-checks that the plan still names it.
 
-A server's speed in another stage is predicted from how fast it is relative to its own stage's
-average, times the other stage's average (stages differ in cost per sample). A move is made only
-when it raises the bottleneck by at least `min_gain` (a factor): measurement noise smaller than that
-cannot make servers oscillate. Everything here is pure: the server, a simulator and the tests call
+A server is predicted to be as fast in another stage as in its own: stages are cut to cost about the
+same per sample (`swarm.core.partition`), while servers differ widely. (Scaling by the ratio of the
+stages' average speeds would mistake which servers a stage happens to hold for what it costs: a slow
+server in a stage of fast ones would be predicted slower still elsewhere.) Where stage costs do
+differ, the error is one-sided per direction (optimistic into a costlier stage, pessimistic back), so
+it cannot make a server go back and forth, and the measured figures after the move correct it. A move
+is made only when it raises the bottleneck by at least `min_gain` (a factor): measurement noise
+smaller than that cannot make servers oscillate. Everything here is pure: the server, a simulator and the tests call
 the same functions.
 """
 
@@ -46,17 +50,6 @@ def capacities(layout: Layout) -> dict[int, float]:
     return {stage: sum(servers.values()) for stage, servers in layout.items()}
 
 
-def _speed_at(layout: Layout, peer_speed: float, source: int, target: int) -> float:
-    """The server's predicted throughput at `target`, from its speed relative to its stage's average."""
-    here = layout[source]
-    there = layout[target]
-    if not there:
-        return peer_speed  # nothing known of the other stage's cost: assume the same
-    mean_here = sum(here.values()) / len(here)
-    mean_there = sum(there.values()) / len(there)
-    return peer_speed / mean_here * mean_there if mean_here > 0 else mean_there
-
-
 def plan_move(layout: Layout, min_gain: float) -> Move | None:
     """The best single move into the bottleneck stage, or None when none is worth making.
 
@@ -82,7 +75,7 @@ def plan_move(layout: Layout, min_gain: float) -> Move | None:
         for peer, speed in servers.items():
             if speed <= 0:
                 continue
-            after = min(caps[source] - speed, before + _speed_at(layout, speed, source, target))
+            after = min(caps[source] - speed, before + speed)
             if best is None or (after, best.peer) > (best.after, peer):
                 best = Move(peer, source, target, before, after)
     if best is None or best.after <= before or best.after < before * min_gain:

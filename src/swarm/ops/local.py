@@ -135,9 +135,11 @@ class LocalSwarm:
 
     def start(self) -> None:
         self.start_bootstrap()
+        slowdowns = iter(self.cfg.local.slowdowns)
         for stage, count in enumerate(start_layout(self.cfg)):
             for _ in range(count):
-                self.add_server(stage)
+                slowdown = next(slowdowns, 1.0)
+                self.add_server(stage, (f"server.slowdown={slowdown}",) if slowdown != 1.0 else ())
         for index in range(self.cfg.local.trainers):
             self.add_trainer(index)
 

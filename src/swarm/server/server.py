@@ -365,9 +365,10 @@ class StageServer:
 
     # ---- compute ------------------------------------------------------------------------------
 
-    async def _compute(self, fn, *args, expires: Deadline | None = None):
+    async def _compute(self, fn, *args, expires: Deadline | None = None, work: bool = False):
         """Run `fn` on the compute thread once it is free; a request whose caller has given up on it
-        by then is dropped rather than applied (the caller may be retrying it elsewhere)."""
+        by then is dropped rather than applied (the caller may be retrying it elsewhere). `work`: a
+        forward or backward pass, whose time the throughput figures are made of."""
         self._queued += 1
         acquired = False
         try:
@@ -377,14 +378,18 @@ class StageServer:
                 if expires is not None and expires.passed():
                     raise Unavailable("the request expired while it queued")
                 self._drop_if_presumed_gone()
-                return await self._run_timed(fn, *args)
+                return await self._run_timed(fn, *args, work=work)
         finally:
             if not acquired:
                 self._queued -= 1
 
-    async def _run_timed(self, fn, *args):
+    async def _run_timed(self, fn, *args, work: bool = False):
         """Run on the compute thread. Shielded: a cancelled caller must not release the gate while
-        the thread still works (a step could then read gradients half accumulated)."""
+        the thread still works (a step could then read gradients half accumulated).
+
+        Only forward and backward passes (`work`) count toward the throughput figures: an optimizer
+        step costs every replica of a stage the same whatever share of the samples it served, so
+        counting it would make a server look slower the more replicas its stage has."""
         start = time.perf_counter()
         job = asyncio.get_running_loop().run_in_executor(self._executor, self._slowed, fn, *args)
         try:
@@ -394,8 +399,9 @@ class StageServer:
             raise
         finally:
             elapsed = time.perf_counter() - start
-            self._window_busy += elapsed
             self.busy_seconds += elapsed
+            if work:
+                self._window_busy += elapsed
 
     def _slowed(self, fn, *args):
         """Run `fn`, then idle `server.slowdown - 1` times as long: a slower machine, to the swarm."""
@@ -421,7 +427,7 @@ class StageServer:
                     self._fwd_ready.clear()
                 self._queued -= len(batch)
                 try:
-                    outputs = await self._run_timed(self.runtime.forward, [(r, x) for r, x, _ in batch])
+                    outputs = await self._run_timed(self.runtime.forward, [(r, x) for r, x, _ in batch], work=True)
                 except Exception as e:
                     log.exception("forward batch failed")
                     for _, _, fut in batch:
@@ -511,7 +517,7 @@ class StageServer:
             if (cached := self._cached_reply(key)) is not None:
                 return cached
             loss, grad = await self._compute(
-                self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta)
+                self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta), work=True
             )
             return self._backward_done(key, x.shape[0], {"loss": loss}, grad)
         fut = asyncio.get_running_loop().create_future()
@@ -531,7 +537,9 @@ class StageServer:
         if accumulate and graph is not None and graph.size > 1:
             grad = await self._batched_backward(graph, key, dy)
         if grad is _RECOMPUTE:
-            grad = await self._compute(self.runtime.backward, key, x, dy, accumulate, expires=_expiry(meta))
+            grad = await self._compute(
+                self.runtime.backward, key, x, dy, accumulate, expires=_expiry(meta), work=True
+            )
         return self._backward_done(key, x.shape[0], {}, grad)
 
     async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
@@ -567,7 +575,7 @@ class StageServer:
                 if self.runtime.live_graph(next(iter(grads))) is not graph:
                     results = dict.fromkeys(grads, _RECOMPUTE)
                 else:
-                    results = await self._run_timed(self.runtime.backward_batch, graph, grads)
+                    results = await self._run_timed(self.runtime.backward_batch, graph, grads, work=True)
         except Exception as e:
             log.exception("batched backward failed")
             results = dict.fromkeys(grads, e)

@@ -1,0 +1,123 @@
+"""Adaptive rebalancing in a real swarm: servers move to the stage that is the pipeline's bottleneck,
+the swarm keeps training through the moves, and delivery stays exactly once."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.ops.faults import FaultInjector
+from swarm.ops.local import LocalSwarm, SwarmStatus
+
+from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, small_config
+
+pytestmark = pytest.mark.integration
+
+
+def rebalancing_config(run_dir: Path, *extra: str):
+    """The small swarm with rebalancing on, looking often and settling fast enough for a test."""
+    return small_config(
+        run_dir, "rebalance.enabled=true", "rebalance.period=1.0", "rebalance.cooldown=8.0", "rebalance.jitter=1.0",
+        "rebalance.min_gain=1.15", *extra,
+    )
+
+
+class LayoutWatch:
+    """Records the layout (server names by stage) every time the launcher polls the DHT."""
+
+    def __init__(self) -> None:
+        self.history: list[tuple[float, dict[int, list[str]], int]] = []  # (time, members, min epoch)
+
+    def __call__(self, status: SwarmStatus) -> None:
+        members = {k: list(v) for k, v in status.members.items()}
+        if not self.history or self.history[-1][1] != members:
+            self.history.append((time.monotonic(), members, status.min_epoch))
+
+    def counts(self) -> list[tuple[int, ...]]:
+        return [tuple(len(m[k]) for k in sorted(m)) for _, m, _ in self.history]
+
+    def first(self, counts: tuple[int, ...]) -> tuple[float, dict[int, list[str]], int]:
+        return next(h for h in self.history if tuple(len(h[1][k]) for k in sorted(h[1])) == counts)
+
+
+def moves(run_dir: Path) -> list[dict]:
+    paths = (run_dir / "peers").glob("moves-*.jsonl")
+    entries = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    return sorted(entries, key=lambda e: e["time"])
+
+
+def final_members(watch: LayoutWatch) -> dict[int, list[str]]:
+    """The layout while the trainers still ran (as they finish, servers leave)."""
+    return watch.history[-1][1]
+
+
+@pytest.mark.timeout(300)
+def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path):
+    """Six equal servers started 4/1/1 over three stages: two of the crowded stage's servers move, one
+    to each starved stage, and the swarm trains on at 2/2/2 with nothing lost or doubled."""
+    cfg = rebalancing_config(
+        tmp_path, "model.num_stages=3", "model.n_layers=3", "local.layout=[4,1,1]", "trainer.target_steps=60"
+    )
+    watch = LayoutWatch()
+    started = time.monotonic()
+    summary = run_swarm(LocalSwarm(cfg), watch)
+
+    made = moves(tmp_path)
+    assert [(m["source"], m["name"].startswith("server-s0-")) for m in made] == [(0, True), (0, True)], made
+    assert sorted(m["target"] for m in made) == [1, 2]
+    balanced_at, members, epoch = watch.first((2, 2, 2))
+    assert balanced_at - started < 120, watch.history
+    assert summary["stages"]["0"]["steps"] >= epoch + 10  # it kept training once balanced
+    assert all(m["held_samples"] == 0 for m in made)  # each mover's gradients went into a step first
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_servers_come_to_a_stage_that_lost_all_but_one(tmp_path):
+    """Once the layout has settled, every server of stage 1 but one is killed: a server of stage 0
+    moves to stage 1, and training goes on with nothing lost or doubled."""
+    cfg = rebalancing_config(tmp_path, "local.layout=[3,3]", "optim.target_batch_size=48", "trainer.target_steps=80")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(tmp_path)
+    watch = LayoutWatch()
+
+    def inject(status: SwarmStatus) -> None:
+        watch(status)
+        settled = time.monotonic() - watch.history[-1][0] > cfg.rebalance.cooldown + 2
+        if not faults.events and settled and status.min_epoch >= 5:
+            for victim in swarm.serving(status, 1)[:-1]:
+                faults.kill(victim)
+
+    summary = run_swarm(swarm, inject)
+
+    killed_at = faults.events[0].time
+    after = [m for m in moves(tmp_path) if m["time"] > killed_at]
+    assert faults.events and after, (faults.events, watch.history)
+    assert (after[0]["source"], after[0]["target"]) == (0, 1)
+    assert after[0]["time"] - killed_at < 60
+    assert len(final_members(watch)[1]) >= 2
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_unequal_servers_balance_capacity_not_counts(tmp_path):
+    """Stage 0 holds a fast server and one six times slower, stage 1 two slow ones. Stage 1 is the
+    bottleneck; the fast server leaving would make stage 0 one, so the slow one moves: one fast server
+    ends up matching three slow ones (1/3), which a count-balancing rule would never do."""
+    cfg = rebalancing_config(
+        tmp_path, "local.layout=[2,2]", "local.slowdowns=[1,6,6,6]", "optim.target_batch_size=48",
+        "trainer.target_steps=50",
+    )
+    watch = LayoutWatch()
+    summary = run_swarm(LocalSwarm(cfg), watch)
+
+    made = moves(tmp_path)
+    assert [(m["name"], m["source"], m["target"]) for m in made] == [("server-s0-2", 0, 1)], made
+    assert final_members(watch) == {0: ["server-s0-1"], 1: ["server-s0-2", "server-s1-3", "server-s1-4"]}
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
