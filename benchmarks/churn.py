@@ -35,7 +35,7 @@ from swarm.config import load_config
 from swarm.config.recipes import DEMO
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, SwarmStatus
-from swarm.ops.report import collect, plot
+from swarm.ops.report import collect, plot, rate_between
 
 
 def _serving(peer) -> bool:
@@ -100,13 +100,10 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
 def _recovery(done: list, kill: float, cap: float) -> float:
     """Seconds from `kill` until the trailing 5 s rate is back to 90% of the 10 s before it."""
 
-    def rate(a: float, b: float) -> float:
-        return sum(c[1] for c in done if a <= c[0] < b) / (b - a)
-
-    before = rate(kill - 10, kill)
+    before = rate_between(done, kill - 10, kill)
     t = kill + 5
     while t <= kill + cap:
-        if rate(t - 5, t) >= 0.9 * before:
+        if rate_between(done, t - 5, t) >= 0.9 * before:
             return t - kill
         t += 0.5
     return cap

@@ -3,7 +3,6 @@ the swarm keeps training through the moves, and delivery stays exactly once."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, SwarmStatus
+from swarm.ops.report import read_moves
 
 from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, small_config
 
@@ -43,12 +43,6 @@ class LayoutWatch:
         return next(h for h in self.history if tuple(len(h[1][k]) for k in sorted(h[1])) == counts)
 
 
-def moves(run_dir: Path) -> list[dict]:
-    paths = (run_dir / "peers").glob("moves-*.jsonl")
-    entries = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
-    return sorted(entries, key=lambda e: e["time"])
-
-
 def final_members(watch: LayoutWatch) -> dict[int, list[str]]:
     """The layout while the trainers still ran (as they finish, servers leave)."""
     return watch.history[-1][1]
@@ -65,7 +59,7 @@ def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path
     started = time.monotonic()
     summary = run_swarm(LocalSwarm(cfg), watch)
 
-    made = moves(tmp_path)
+    made = read_moves(tmp_path)
     assert [(m["source"], m["name"].startswith("server-s0-")) for m in made] == [(0, True), (0, True)], made
     assert sorted(m["target"] for m in made) == [1, 2]
     balanced_at, members, epoch = watch.first((2, 2, 2))
@@ -95,7 +89,7 @@ def test_servers_come_to_a_stage_that_lost_all_but_one(tmp_path):
     summary = run_swarm(swarm, inject)
 
     killed_at = faults.events[0].time
-    after = [m for m in moves(tmp_path) if m["time"] > killed_at]
+    after = [m for m in read_moves(tmp_path) if m["time"] > killed_at]
     assert faults.events and after, (faults.events, watch.history)
     assert (after[0]["source"], after[0]["target"]) == (0, 1)
     assert after[0]["time"] - killed_at < 60
@@ -116,7 +110,7 @@ def test_unequal_servers_balance_capacity_not_counts(tmp_path):
     watch = LayoutWatch()
     summary = run_swarm(LocalSwarm(cfg), watch)
 
-    made = moves(tmp_path)
+    made = read_moves(tmp_path)
     assert [(m["name"], m["source"], m["target"]) for m in made] == [("server-s0-2", 0, 1)], made
     assert final_members(watch) == {0: ["server-s0-1"], 1: ["server-s0-2", "server-s1-3", "server-s1-4"]}
     assert_exactly_once(summary)

@@ -141,8 +141,8 @@ class ServerConfig:
     checkpoint_dir: str | None = None  # where the stage is checkpointed, and resumed from on start
     checkpoint_every: int = 10  # optimizer steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept per stage
-    # compute takes this many times as long as it does (the server sleeps the difference): a slower
-    # machine, for building swarms of unequal servers on one host
+    # compute takes this many times its CPU time (the server sleeps the difference): a slower machine,
+    # for building swarms of unequal servers on one host (measured with one torch thread per server)
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:

@@ -23,6 +23,18 @@ def read_steps(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return steps
 
 
+def read_moves(run_dir: Path) -> list[dict[str, Any]]:
+    """Every move of a server between stages (see the server's rebalancing), oldest first."""
+    paths = (run_dir / "peers").glob("moves-*.jsonl")
+    moves = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    return sorted(moves, key=lambda m: m["time"])
+
+
+def rate_between(completed: list, start: float, end: float) -> float:
+    """Completed samples per second between two wall-clock times."""
+    return sum(c[1] for c in completed if start <= c[0] < end) / (end - start)
+
+
 def collect(run_dir: Path) -> dict[str, Any]:
     peers = [json.loads(p.read_text()) for p in sorted((run_dir / "peers").glob("*.json"))]
     servers = [p for p in peers if p["role"] == "server"]
@@ -77,6 +89,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "first_loss": _mean([c[2] for c in completed[:20]]),
         "final_loss": _mean([c[2] for c in completed[-20:]]),
         "stages": {str(k): v for k, v in sorted(stages.items())},
+        "moves": [{k: m[k] for k in ("time", "name", "peer_id", "source", "target", "before", "after")}
+                  for m in read_moves(run_dir)],
         "_completed": completed,
         "_start": start,
     }
@@ -141,14 +155,17 @@ def plot(summary: dict[str, Any], run_dir: Path) -> None:
 
     window = 10.0
     edges = [i * window for i in range(int(t[-1] // window) + 2)]
-    rates = [sum(c[1] for c, ti in zip(completed, t, strict=True) if lo <= ti < lo + window) / window for lo in edges]
+    rates = [rate_between(completed, start + lo, start + lo + window) for lo in edges]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.step(edges, rates, where="post")
-    for i, event in enumerate(_faults(run_dir)):  # injected faults, where they happened
-        ax.axvline(event["time"] - start, color="tab:red", alpha=0.4, lw=1, label="fault" if i == 0 else None)
-        ax.annotate(event["kind"], (event["time"] - start, max(rates, default=0)), rotation=90, fontsize=7,
-                    color="tab:red", va="top")
-    if _faults(run_dir):
+    marks = [(e["time"], e["kind"], "tab:red", "fault") for e in _faults(run_dir)]  # injected faults
+    marks += [(m["time"], f"{m['source']}->{m['target']}", "tab:green", "server moved") for m in read_moves(run_dir)]
+    labelled = set()
+    for when, text, colour, label in marks:
+        ax.axvline(when - start, color=colour, alpha=0.4, lw=1, label=None if label in labelled else label)
+        labelled.add(label)
+        ax.annotate(text, (when - start, max(rates, default=0)), rotation=90, fontsize=7, color=colour, va="top")
+    if marks:
         ax.legend()
     ax.set(xlabel="seconds", ylabel="samples/s", title=f"throughput (completed samples, {window:.0f}s windows)")
     fig.tight_layout()

@@ -404,13 +404,15 @@ class StageServer:
                 self._window_busy += elapsed
 
     def _slowed(self, fn, *args):
-        """Run `fn`, then idle `server.slowdown - 1` times as long: a slower machine, to the swarm."""
-        start = time.perf_counter()
+        """Run `fn`, then idle `server.slowdown - 1` times its CPU time: a slower machine, to the swarm.
+        The compute thread's CPU time, not its wall time, so that a host shared with other servers
+        (whose processes delay this one) does not slow it down further."""
+        start = time.thread_time()
         try:
             return fn(*args)
         finally:
             if self.cfg.server.slowdown > 1.0:
-                time.sleep((self.cfg.server.slowdown - 1.0) * (time.perf_counter() - start))
+                time.sleep((self.cfg.server.slowdown - 1.0) * (time.thread_time() - start))
 
     async def _batch_loop(self) -> None:
         """Merge forward requests that queued up while the compute thread was busy into one batch."""
