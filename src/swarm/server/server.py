@@ -50,6 +50,9 @@ from swarm.wire.validate import BadRequest, TensorSpec, Unavailable, check_same_
 log = logging.getLogger("swarm.server")
 _RECOMPUTE = object()  # marks a backward whose kept graph could not be used
 REPLY_CACHE = 32  # recent accumulating calls remembered, to answer retries without applying them twice
+# the first windows of work at a stage carry one-off costs (first-call allocations, lazy initialization):
+# the capacity figure, which decides moves and must not be skewed for long, starts after them
+WARMUP_WINDOWS = 2
 
 
 def _ignore_cancelled_stream_handlers(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -122,6 +125,7 @@ class StageServer:
         self.meter = RateMeter(alpha=0.3)
         self.capacity_meter = RateMeter(alpha=0.05)
         self._window_start = time.monotonic()
+        self._windows = 0
         self.steps: list[StepRecord] = []
         self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0}
         self._queued = 0
@@ -311,8 +315,10 @@ class StageServer:
     async def _announce(self) -> None:
         now = time.monotonic()
         if self._window_busy > 0 and now - self._window_start >= self.cfg.net.announce_period:
-            for meter in (self.meter, self.capacity_meter):
-                meter.update(self._window_samples, self._window_busy)
+            self._windows += 1
+            self.meter.update(self._window_samples, self._window_busy)
+            if self._windows > WARMUP_WINDOWS:
+                self.capacity_meter.update(self._window_samples, self._window_busy)
             self._window_samples, self._window_busy, self._window_start = 0, 0.0, now
         record = self._record()
         await self.directory.announce_server(record)
