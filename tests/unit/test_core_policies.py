@@ -11,7 +11,7 @@ from swarm.core.partition import split_layers
 from swarm.core.retry import backoff_delay
 from swarm.core.schedule import warmup_lr
 from swarm.core.stepping import expected_group, stage_ready
-from swarm.core.throughput import LatencyTracker, RateMeter
+from swarm.core.throughput import LatencyTracker, RateMeter, StageRate
 
 
 def test_ban_doubles_until_cap_and_forgive_resets():
@@ -160,3 +160,27 @@ def test_expected_group():
     assert expected_group("b", ["c", "a", "c"]) == ("a", "b", "c")
     assert expected_group("b", ["b"]) == ("b",)
     assert expected_group("z", iter(["y"])) == ("y", "z")
+
+
+def test_stage_rate_combines_passes_and_waits_for_all_of_them() -> None:
+    """A stage doing forwards at 20 samples/s and backwards at 5 samples/s does 4 samples/s of work;
+    while only forwards have run (a pipeline filling up), it is unmeasured rather than near zero."""
+    rate = StageRate(("forward", "backward"), alpha=0.5)
+    rate.update({"forward": (20, 1.0)})
+    assert rate.rate == 0.0
+    rate.update({"forward": (20, 1.0), "backward": (5, 1.0)})
+    assert rate.rate == pytest.approx(4.0)
+    one_call = StageRate(("forward",), alpha=0.5)
+    one_call.update({"forward": (8, 2.0)})
+    assert one_call.rate == pytest.approx(4.0)
+
+
+def test_stage_rate_leaves_out_the_first_windows() -> None:
+    rate = StageRate(("forward",), alpha=1.0, skip=2)
+    rate.update({"forward": (1, 10.0)})  # first calls: slow
+    rate.update({"forward": (4, 2.0)})
+    assert rate.rate == 0.0
+    rate.update({"forward": (10, 1.0)})
+    assert rate.rate == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        rate.update({"backward": (1, 1.0)})

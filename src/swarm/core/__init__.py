@@ -21,7 +21,7 @@ from swarm.core.routing import (
 )
 from swarm.core.schedule import warmup_lr
 from swarm.core.stepping import expected_group, stage_ready
-from swarm.core.throughput import LatencyTracker, RateMeter
+from swarm.core.throughput import LatencyTracker, RateMeter, StageRate
 
 __all__ = [
     "BanList",
@@ -32,6 +32,7 @@ __all__ = [
     "Seat",
     "RateMeter",
     "SmoothWeightedRoundRobin",
+    "StageRate",
     "Verdict",
     "backoff_delay",
     "capacities",

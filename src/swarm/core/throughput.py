@@ -39,6 +39,45 @@ class RateMeter:
         return self._samples / self._seconds if self._seconds > 0 else 0.0
 
 
+class StageRate:
+    """Samples per second of a stage's whole work per sample (its forward and its backward pass), from
+    one `RateMeter` per pass.
+
+    Each pass's time is set against that pass's own samples. Counting samples once (when their
+    backward is done) against all compute time would read near zero while a pipeline fills (forwards
+    with no backward yet) and take long to recover. `passes` names the passes a sample goes through
+    here: ("forward", "backward"), or one pass for a stage that does both in one call. Until every
+    pass has been measured, the rate is 0 (unmeasured). `skip` first windows of each pass are left out:
+    they carry one-off costs (first-call allocations, lazy initialization).
+    """
+
+    def __init__(self, passes: tuple[str, ...], alpha: float, skip: int = 0) -> None:
+        if not passes:
+            raise ValueError("a stage has at least one pass")
+        self.passes = passes
+        self.skip = skip
+        self._meters = {p: RateMeter(alpha) for p in passes}
+        self._seen = dict.fromkeys(passes, 0)
+
+    def update(self, window: dict[str, tuple[int, float]]) -> None:
+        """Fold in one window: pass -> (samples, seconds) of work done in it."""
+        for name, (samples, seconds) in window.items():
+            if name not in self._meters:
+                raise ValueError(f"unknown pass {name!r}; this stage has {self.passes}")
+            if seconds <= 0:
+                continue
+            self._seen[name] += 1
+            if self._seen[name] > self.skip:
+                self._meters[name].update(samples, seconds)
+
+    @property
+    def rate(self) -> float:
+        rates = [m.rate for m in self._meters.values()]
+        if any(r <= 0 for r in rates):
+            return 0.0
+        return 1.0 / sum(1.0 / r for r in rates)
+
+
 class LatencyTracker:
     """Adaptive call timeout in the manner of TCP's retransmission timer (RFC 6298).
 

@@ -26,8 +26,8 @@ from swarm.averaging.allreduce import RoundFailed, StageAllReduce, WeightsDiverg
 from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
 from swarm.core import (
     Move,
-    RateMeter,
     Seat,
+    StageRate,
     backoff_delay,
     capacities,
     choose_stage,
@@ -122,15 +122,14 @@ class StageServer:
         # samples/s of compute, from windows of at least one announcement period: over the last few
         # seconds for routing, and over the last half minute or so for rebalancing, which must not move
         # servers on a passing fluctuation
-        self.meter = RateMeter(alpha=0.3)
-        self.capacity_meter = RateMeter(alpha=0.05)
+        passes = ("forward",) if stage == self.cfg.model.num_stages - 1 else ("forward", "backward")
+        self.meter = StageRate(passes, alpha=0.3)
+        self.capacity_meter = StageRate(passes, alpha=0.05, skip=WARMUP_WINDOWS)
+        self._window: dict[str, tuple[int, float]] = {}  # pass -> work (samples, seconds) since the last fold
         self._window_start = time.monotonic()
-        self._windows = 0
         self.steps: list[StepRecord] = []
         self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0}
         self._queued = 0
-        self._window_samples = 0
-        self._window_busy = 0.0
         self.busy_seconds = 0.0  # compute-thread time while serving this stage
         self.started = time.time()
         self._stage_since = time.monotonic()
@@ -314,12 +313,10 @@ class StageServer:
 
     async def _announce(self) -> None:
         now = time.monotonic()
-        if self._window_busy > 0 and now - self._window_start >= self.cfg.net.announce_period:
-            self._windows += 1
-            self.meter.update(self._window_samples, self._window_busy)
-            if self._windows > WARMUP_WINDOWS:
-                self.capacity_meter.update(self._window_samples, self._window_busy)
-            self._window_samples, self._window_busy, self._window_start = 0, 0.0, now
+        if self._window and now - self._window_start >= self.cfg.net.announce_period:
+            self.meter.update(self._window)
+            self.capacity_meter.update(self._window)
+            self._window, self._window_start = {}, now
         record = self._record()
         await self.directory.announce_server(record)
         self._announced_pending = record.pending
@@ -371,10 +368,10 @@ class StageServer:
 
     # ---- compute ------------------------------------------------------------------------------
 
-    async def _compute(self, fn, *args, expires: Deadline | None = None, work: bool = False):
+    async def _compute(self, fn, *args, expires: Deadline | None = None, work: str | None = None, samples: int = 0):
         """Run `fn` on the compute thread once it is free; a request whose caller has given up on it
-        by then is dropped rather than applied (the caller may be retrying it elsewhere). `work`: a
-        forward or backward pass, whose time the throughput figures are made of."""
+        by then is dropped rather than applied (the caller may be retrying it elsewhere). `work`: the
+        pass ("forward" or "backward") of `samples` samples it is, for the throughput figures."""
         self._queued += 1
         acquired = False
         try:
@@ -384,12 +381,12 @@ class StageServer:
                 if expires is not None and expires.passed():
                     raise Unavailable("the request expired while it queued")
                 self._drop_if_presumed_gone()
-                return await self._run_timed(fn, *args, work=work)
+                return await self._run_timed(fn, *args, work=work, samples=samples)
         finally:
             if not acquired:
                 self._queued -= 1
 
-    async def _run_timed(self, fn, *args, work: bool = False):
+    async def _run_timed(self, fn, *args, work: str | None = None, samples: int = 0):
         """Run on the compute thread. Shielded: a cancelled caller must not release the gate while
         the thread still works (a step could then read gradients half accumulated).
 
@@ -406,8 +403,9 @@ class StageServer:
         finally:
             elapsed = time.perf_counter() - start
             self.busy_seconds += elapsed
-            if work:
-                self._window_busy += elapsed
+            if work is not None:
+                done, seconds = self._window.get(work, (0, 0.0))
+                self._window[work] = (done + samples, seconds + elapsed)
 
     def _slowed(self, fn, *args):
         """Run `fn`, then idle `server.slowdown - 1` times its CPU time: a slower machine, to the swarm.
@@ -435,7 +433,9 @@ class StageServer:
                     self._fwd_ready.clear()
                 self._queued -= len(batch)
                 try:
-                    outputs = await self._run_timed(self.runtime.forward, [(r, x) for r, x, _ in batch], work=True)
+                    outputs = await self._run_timed(
+                        self.runtime.forward, [(r, x) for r, x, _ in batch], work="forward", samples=size
+                    )
                 except Exception as e:
                     log.exception("forward batch failed")
                     for _, _, fut in batch:
@@ -525,9 +525,10 @@ class StageServer:
             if (cached := self._cached_reply(key)) is not None:
                 return cached
             loss, grad = await self._compute(
-                self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta), work=True
+                self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta),
+                work="forward", samples=x.shape[0],
             )
-            return self._backward_done(key, x.shape[0], {"loss": loss}, grad)
+            return self._backward_done(key, {"loss": loss}, grad)
         fut = asyncio.get_running_loop().create_future()
         self._fwd_queue.append((key, x, fut))
         self._queued += 1
@@ -546,9 +547,10 @@ class StageServer:
             grad = await self._batched_backward(graph, key, dy)
         if grad is _RECOMPUTE:
             grad = await self._compute(
-                self.runtime.backward, key, x, dy, accumulate, expires=_expiry(meta), work=True
+                self.runtime.backward, key, x, dy, accumulate, expires=_expiry(meta), work="backward",
+                samples=x.shape[0],
             )
-        return self._backward_done(key, x.shape[0], {}, grad)
+        return self._backward_done(key, {}, grad)
 
     async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
         """Wait (briefly) for the other requests of this request's forward batch, then one backward for all.
@@ -583,7 +585,10 @@ class StageServer:
                 if self.runtime.live_graph(next(iter(grads))) is not graph:
                     results = dict.fromkeys(grads, _RECOMPUTE)
                 else:
-                    results = await self._run_timed(self.runtime.backward_batch, graph, grads, work=True)
+                    results = await self._run_timed(
+                        self.runtime.backward_batch, graph, grads, work="backward",
+                        samples=sum(graph.rows[key].stop - graph.rows[key].start for key in grads),
+                    )
         except Exception as e:
             log.exception("batched backward failed")
             results = dict.fromkeys(grads, e)
@@ -603,13 +608,12 @@ class StageServer:
         meta, tensors = self._replies[key]
         return {**meta, "epoch": self.runtime.epoch}, tensors
 
-    def _backward_done(self, key: str, samples: int, meta: dict[str, Any], grad: torch.Tensor | None):
+    def _backward_done(self, key: str, meta: dict[str, Any], grad: torch.Tensor | None):
         """Remember the reply of a gradient call, so that a repeat of it costs no compute."""
         reply = {"epoch": self.runtime.epoch, **meta}, [] if grad is None else [grad]
         self._replies[key] = reply
         while len(self._replies) > REPLY_CACHE:
             del self._replies[next(iter(self._replies))]
-        self._window_samples += samples
         self._wake.set()  # the stage may have just reached its batch size
         return reply
 
