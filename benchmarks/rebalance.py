@@ -3,11 +3,14 @@
     .venv/bin/python benchmarks/rebalance.py [--before 60] [--after 180] [--set section.field=value ...]
 
 A local swarm of 2 stages x 4 servers and 2 trainers trains for `--before` seconds (counted from its
-first completed microbatch); then half of stage 1's servers (2 of 4) are SIGKILLed and it trains
-for `--after` seconds more. Three runs:
+first completed microbatch); then half of stage 0's servers (2 of 4) are SIGKILLed and it trains
+for `--after` seconds more. (Stage 0 is the one to lose servers because it costs the most per sample
+here: its forward and backward passes are two calls, the last stage's one. Losing servers of the
+cheaper stage leaves the survivors' best layout hardly better than the one they are left with.)
+Three runs:
 
 - `on`: rebalancing on (the defaults: a look every 5 s, 20 s cooldown, gain 1.2);
-- `off`: the same with rebalancing off: the swarm stays at 4/2, bottlenecked by stage 1;
+- `off`: the same with rebalancing off: the swarm stays at 2/4, bottlenecked by stage 0;
 - `best`: the best layout of the 6 survivors (3/3) from the start, no kill, rebalancing off: the
   throughput the survivors can reach.
 
@@ -71,8 +74,8 @@ def run(run_dir: Path, before: float, after: float, layout: str, rebalance: bool
             return
         if kill and "kill" not in marks and now - marks["began"] >= before:
             marks["kill"] = now
-            stage1 = swarm.serving(status, 1)
-            for victim in stage1[: len(stage1) // 2]:
+            stage0 = swarm.serving(status, 0)
+            for victim in stage0[: len(stage0) // 2]:
                 faults.kill(victim)
         if "end" not in marks and now - marks["began"] >= before + after:
             marks["end"] = now
@@ -120,7 +123,7 @@ def draw(results: dict, path: Path) -> None:
         for when, source, target in result["moves"]:
             ax.axvline(when - zero, color="tab:green", alpha=0.3, lw=1)
             ax.annotate(f"{source}->{target}", (when - zero, 0), rotation=90, fontsize=7, color="tab:green")
-    ax.axvline(0, color="tab:red", lw=1, label="2 of stage 1's 4 servers killed")
+    ax.axvline(0, color="tab:red", lw=1, label="2 of stage 0's 4 servers killed")
     ax.set(xlabel="seconds from the kill", ylabel=f"samples/s (trailing {WINDOW:.0f} s)",
            title="throughput after losing half of one stage (green: a server moved)")
     ax.legend(loc="lower left")

@@ -65,6 +65,13 @@ def test_a_newcomer_joins_the_bottleneck() -> None:
         choose_stage({})
 
 
+def test_unmeasured_servers_count_like_their_stage_or_the_swarm() -> None:
+    """A server without a figure yet is not taken for nothing (its stage would look starved)."""
+    seats = [Seat("a", 0, 10.0), Seat("b", 0, 0.0), Seat("c", 1, 0.0), Seat("d", 2, 6.0), Seat("e", 2, 4.0)]
+    assert layout_of(seats, 3) == {0: {"a": 10.0, "b": 10.0}, 1: {"c": 6.0}, 2: {"d": 6.0, "e": 4.0}}
+    assert layout_of([Seat("a", 0, 0.0)], 2) == {0: {"a": 0.0}, 1: {}}
+
+
 def test_the_swarm_plan_includes_empty_stages() -> None:
     seats = [Seat("a", 0, 10.0, 60.0), Seat("b", 0, 10.0, 60.0)]
     assert layout_of(seats, 2) == {0: {"a": 10.0, "b": 10.0}, 1: {}}

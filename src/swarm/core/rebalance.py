@@ -84,11 +84,23 @@ def plan_move(layout: Layout, min_gain: float) -> Move | None:
 
 
 def layout_of(seats: Iterable[Seat], num_stages: int) -> dict[int, dict[str, float]]:
-    """Every stage (empty ones too) with its servers' throughputs."""
+    """Every stage (empty ones too) with its servers' throughputs. A server not measured yet (a figure
+    of 0: it has not done enough work) counts like its stage's measured servers on average, or the
+    swarm's median server if none of its stage is measured: counting it as nothing would make its
+    stage look starved and draw servers to it."""
+    seats = list(seats)
+    measured = sorted(seat.throughput for seat in seats if seat.throughput > 0)
+    median = measured[len(measured) // 2] if measured else 0.0
+    by_stage: dict[int, list[float]] = {}
+    for seat in seats:
+        if seat.throughput > 0:
+            by_stage.setdefault(seat.stage, []).append(seat.throughput)
     layout: dict[int, dict[str, float]] = {stage: {} for stage in range(num_stages)}
     for seat in seats:
         if seat.stage in layout:
-            layout[seat.stage][seat.peer] = seat.throughput
+            known = by_stage.get(seat.stage)
+            guess = sum(known) / len(known) if known else median
+            layout[seat.stage][seat.peer] = seat.throughput if seat.throughput > 0 else guess
     return layout
 
 

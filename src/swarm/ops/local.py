@@ -27,6 +27,7 @@ from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.ops import netlab
 from swarm.ops.netlab import Host, NetLab
+from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.local")
 
@@ -58,7 +59,7 @@ class Peer:
 @dataclass
 class SwarmStatus:
     epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
-    members: dict[int, list[str]] = field(default_factory=dict)  # stage -> names of its live servers
+    servers: dict[int, list[ServerRecord]] = field(default_factory=dict)  # stage -> its live servers' records
     pending_by_stage: dict[int, int] = field(default_factory=dict)  # samples accumulated, not yet stepped
     trainer_samples: int = 0
     loss: float = float("nan")
@@ -66,6 +67,11 @@ class SwarmStatus:
     @property
     def pending(self) -> int:
         return sum(self.pending_by_stage.values())
+
+    @property
+    def members(self) -> dict[int, list[str]]:
+        """Stage -> the names (or peer ids) of its live servers."""
+        return {stage: sorted(r.name or r.peer_id for r in records) for stage, records in self.servers.items()}
 
     @property
     def min_epoch(self) -> int:
@@ -206,7 +212,7 @@ class LocalSwarm:
         status = SwarmStatus()
         for stage, records in (await directory.stages(self.cfg.model.num_stages)).items():
             status.epochs[stage] = sorted(r.epoch for r in records)
-            status.members[stage] = sorted(r.name or r.peer_id for r in records)
+            status.servers[stage] = records
             status.pending_by_stage[stage] = sum(r.pending for r in records)
         trainers = await directory.trainers()
         status.trainer_samples = sum(t.completed for t in trainers)
