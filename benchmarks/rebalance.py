@@ -1,6 +1,6 @@
 """Rebalancing after losing half of one stage: throughput over time with rebalancing on and off.
 
-    .venv/bin/python benchmarks/rebalance.py [--before 60] [--after 180] [--set section.field=value ...]
+    .venv/bin/python benchmarks/rebalance.py [--before 90] [--after 180] [--set section.field=value ...]
 
 A local swarm of 2 stages x 4 servers and 2 trainers trains for `--before` seconds (counted from its
 first completed microbatch); then half of stage 0's servers (2 of 4) are SIGKILLed and it trains
@@ -9,7 +9,7 @@ here: its forward and backward passes are two calls, the last stage's one. Losin
 cheaper stage leaves the survivors' best layout hardly better than the one they are left with.)
 Three runs:
 
-- `on`: rebalancing on (the defaults: a look every 5 s, 20 s cooldown, gain 1.2);
+- `on`: rebalancing on (the defaults: a look every 5 s, 30 s cooldown, gain 1.2);
 - `off`: the same with rebalancing off: the swarm stays at 2/4, bottlenecked by stage 0;
 - `best`: the best layout of the 6 survivors (3/3) from the start, no kill, rebalancing off: the
   throughput the survivors can reach.
@@ -134,7 +134,7 @@ def draw(results: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", type=float, default=60.0, help="seconds of training before the kill")
+    parser.add_argument("--before", type=float, default=90.0, help="seconds of training before the kill")
     parser.add_argument("--after", type=float, default=180.0, help="seconds of training after it")
     parser.add_argument("--run-dir", default="runs/rebalance")
     parser.add_argument("--set", dest="overrides", action="append", default=[])

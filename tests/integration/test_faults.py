@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 def short_id(peer: Peer) -> str:
     """The shortened peer id a server logs itself under (what trainers' log lines name it by)."""
-    found = re.search(r"server (…\S+) up on", peer.log_path.read_text())
+    found = re.search(r"server (?:\S+ )?(…\S+) up on", peer.log_path.read_text())
     assert found, peer.log_tail()
     return found.group(1)
 

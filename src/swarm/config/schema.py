@@ -176,7 +176,7 @@ class RebalanceConfig:
     enabled: bool = True
     period: float = 5.0
     min_gain: float = 1.2  # a move must raise the bottleneck stage's capacity by this factor
-    cooldown: float = 20.0
+    cooldown: float = 30.0
     jitter: float = 2.0
 
     def __post_init__(self) -> None:

@@ -52,7 +52,7 @@ _RECOMPUTE = object()  # marks a backward whose kept graph could not be used
 REPLY_CACHE = 32  # recent accumulating calls remembered, to answer retries without applying them twice
 # the first windows of work at a stage carry one-off costs (first-call allocations, lazy initialization):
 # the capacity figure, which decides moves and must not be skewed for long, starts after them
-WARMUP_WINDOWS = 2
+WARMUP_WINDOWS = 3
 
 
 def _ignore_cancelled_stream_handlers(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -120,11 +120,11 @@ class StageServer:
         """Everything that belongs to serving one stage; a server that moves to another starts it afresh."""
         self.stage = stage
         # samples/s of compute, from windows of at least one announcement period: over the last few
-        # seconds for routing, and over the last half minute or so for rebalancing, which must not move
-        # servers on a passing fluctuation
+        # windows for routing, and over the last ten or so for rebalancing, which must not move servers
+        # on a passing fluctuation
         passes = ("forward",) if stage == self.cfg.model.num_stages - 1 else ("forward", "backward")
         self.meter = StageRate(passes, alpha=0.3)
-        self.capacity_meter = StageRate(passes, alpha=0.05, skip=WARMUP_WINDOWS)
+        self.capacity_meter = StageRate(passes, alpha=0.1, skip=WARMUP_WINDOWS)
         self._window: dict[str, tuple[int, float]] = {}  # pass -> work (samples, seconds) since the last fold
         self._window_start = time.monotonic()
         self.steps: list[StepRecord] = []

@@ -65,7 +65,7 @@ class ServerRecord(_Record):
     config_hash: str
     model: dict  # the model config, so a mismatch can be explained field by field
     gone: bool = False  # tombstone written on graceful exit
-    capacity: float = 0.0  # the same over the last half minute or so (for rebalancing)
+    capacity: float = 0.0  # the same over a longer window, first calls left out (for rebalancing)
     tenure: float = 0.0  # seconds this server has served this stage (rebalancing waits for settled ones)
     moving: bool = False  # finishing its work here before it moves to another stage: route new work elsewhere
     name: str = ""  # the operator's label for the server, if any
