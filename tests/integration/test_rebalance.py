@@ -100,11 +100,13 @@ def test_servers_come_to_a_stage_that_lost_all_but_one(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_unequal_servers_balance_capacity_not_counts(tmp_path):
-    """Stage 0 holds a fast server and one six times slower, stage 1 two slow ones. Stage 1 is the
-    bottleneck; the fast server leaving would make stage 0 one, so the slow one moves: one fast server
-    ends up matching three slow ones (1/3), which a count-balancing rule would never do."""
+    """Stage 0 holds a fast server and a slow one (it idles 11 times its compute's CPU time: 3-5 times
+    slower on this shared host, where waiting for the CPU is most of a call's time), stage 1 two slow
+    ones. Stage 1 is the bottleneck; the fast server leaving would make stage 0 one, so the slow one
+    moves: one fast server ends up matching three slow ones (1/3), which a count-balancing rule would
+    never do."""
     cfg = rebalancing_config(
-        tmp_path, "local.layout=[2,2]", "local.slowdowns=[1,6,6,6]", "optim.target_batch_size=48",
+        tmp_path, "local.layout=[2,2]", "local.slowdowns=[1,12,12,12]", "optim.target_batch_size=48",
         "trainer.target_steps=50",
     )
     watch = LayoutWatch()
