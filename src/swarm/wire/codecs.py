@@ -1,0 +1,129 @@
+"""Lossy wire codecs for floating-point tensors: fewer bytes on slow links, with a stated error bound.
+
+A codec turns one tensor into a few plain tensors (`Packed.parts`) and a small description
+(`Packed.meta`: codec, shape, dtype and the codec's parameters) that travel as they are, and back.
+Decoding checks everything it is given against the description, since packed tensors come from
+other peers: a malformed one raises `BadRequest` with what is wrong, never a reshape error.
+
+- `none`: the tensor itself.
+- `fp16`, `bf16`: half-precision floats (2 bytes per value). Values beyond fp16's range (65504)
+  are clamped to it rather than sent as infinities.
+- `uint8`: 8-bit uniform quantization over the tensor's [min, max] (1 byte per value + 8 bytes).
+- `blockwise8`: 8-bit symmetric quantization with one fp32 scale (the absolute maximum) per block of
+  `block` values (1 + 4/block bytes per value): an outlier costs precision only in its own block,
+  which is what makes 8-bit activations and gradients train as well as full precision.
+
+Non-float tensors (token ids, targets) always travel as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.wire.validate import BadRequest
+
+CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
+DEFAULT_BLOCK = 256
+_FP16_MAX = 65504.0
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+@dataclass
+class Packed:
+    meta: dict[str, Any]
+    parts: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data this takes on the wire (the description is a few dozen more)."""
+        return sum(p.numel() * p.element_size() for p in self.parts)
+
+
+def encode(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> Packed:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+    tensor = tensor.detach()
+    if not tensor.is_floating_point() or codec == "none":
+        return Packed({"codec": "none"}, [tensor])
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    meta: dict[str, Any] = {"codec": codec, "shape": list(tensor.shape), "dtype": dtype}
+    flat = tensor.reshape(-1).float()
+    if codec == "fp16":
+        return Packed(meta, [flat.clamp(-_FP16_MAX, _FP16_MAX).half()])
+    if codec == "bf16":
+        return Packed(meta, [flat.bfloat16()])
+    if codec == "uint8":
+        lo, hi = (flat.min().item(), flat.max().item()) if flat.numel() else (0.0, 0.0)
+        step = (hi - lo) / 255 or 1.0
+        codes = ((flat - lo) / step).round_().clamp_(0, 255).to(torch.uint8)
+        return Packed({**meta, "lo": lo, "step": step}, [codes])
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block)).view(-1, block)
+    scales = padded.abs().amax(dim=1)
+    codes = (padded / torch.where(scales > 0, scales, 1.0).unsqueeze(1) * 127).round_().to(torch.int8)
+    return Packed({**meta, "block": block}, [codes.view(-1)[: flat.numel()], scales])
+
+
+def decode(packed: Packed) -> torch.Tensor:
+    meta, parts = packed.meta, packed.parts
+    codec = meta.get("codec")
+    if codec not in CODECS:
+        raise BadRequest(f"unknown codec {codec!r}")
+    if codec == "none":
+        _expect(len(parts) == 1, f"codec none carries one tensor, got {len(parts)}")
+        return parts[0]
+    shape, dtype = meta.get("shape"), _DTYPES.get(meta.get("dtype"))
+    _expect(isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), f"bad shape {shape!r}")
+    _expect(dtype is not None, f"bad dtype {meta.get('dtype')!r}")
+    numel = math.prod(shape)
+    wanted = {"fp16": [torch.float16], "bf16": [torch.bfloat16], "uint8": [torch.uint8],
+              "blockwise8": [torch.int8, torch.float32]}[codec]
+    _expect([p.dtype for p in parts] == wanted, f"{codec} carries {wanted}, got {[p.dtype for p in parts]}")
+    _expect(parts[0].dim() == 1 and parts[0].numel() == numel,
+            f"{codec} data holds {parts[0].numel()} values for shape {shape}")
+    if codec in ("fp16", "bf16"):
+        flat = parts[0].float()
+    elif codec == "uint8":
+        lo, step = meta.get("lo"), meta.get("step")
+        _expect(all(isinstance(v, int | float) and math.isfinite(v) for v in (lo, step)), "bad uint8 range")
+        flat = parts[0].float() * step + lo
+    else:
+        block, scales = meta.get("block"), parts[1]
+        _expect(isinstance(block, int) and block > 0, f"bad block size {block!r}")
+        _expect(scales.dim() == 1 and scales.numel() == -(-numel // block),
+                f"blockwise8 needs {-(-numel // block)} scales, got {scales.numel()}")
+        _expect(bool(torch.isfinite(scales).all() and (scales >= 0).all()), "blockwise8 scales must be finite and >= 0")
+        padded = torch.nn.functional.pad(parts[0].float(), (0, -numel % block)).view(-1, block)
+        flat = (padded * (scales / 127).unsqueeze(1)).view(-1)[:numel]
+    return flat.view(shape).to(dtype)
+
+
+def error_bound(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """The largest error each value of `tensor` may come back with (elementwise), for tests and docs:
+    the codec's own, plus rounding back to the tensor's dtype."""
+    if codec == "none" or not tensor.is_floating_point():
+        return torch.zeros_like(tensor, dtype=torch.float32)
+    x = tensor.detach().float()
+    return _codec_bound(x, codec, block) + x.abs() * torch.finfo(tensor.dtype).eps
+
+
+def _codec_bound(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
+    if codec == "fp16":  # half an ulp of 11 significant bits, a subnormal's step, and the clamp
+        return x.abs() * 2.0**-11 + 2.0**-24 + (x.abs() - _FP16_MAX).clamp(min=0)
+    if codec == "bf16":
+        return x.abs() * 2.0**-8 + 1e-38
+    slack = 1e-6 * x.abs().max() if x.numel() else 0.0  # float32 rounding in scaling
+    if codec == "uint8":
+        return torch.full_like(x, ((x.max() - x.min()) / 255 / 2 + slack).item() if x.numel() else 0.0)
+    flat = x.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block)).view(-1, block)
+    per_block = padded.abs().amax(dim=1) / 127 / 2
+    return (per_block.repeat_interleave(block)[: flat.numel()] + slack).view(x.shape)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise BadRequest(f"malformed compressed tensor: {message}")
