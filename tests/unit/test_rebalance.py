@@ -65,11 +65,24 @@ def test_a_newcomer_joins_the_bottleneck() -> None:
         choose_stage({})
 
 
-def test_unmeasured_servers_count_like_their_stage_or_the_swarm() -> None:
+def test_unmeasured_servers_count_like_the_median_server() -> None:
     """A server without a figure yet is not taken for nothing (its stage would look starved)."""
     seats = [Seat("a", 0, 10.0), Seat("b", 0, 0.0), Seat("c", 1, 0.0), Seat("d", 2, 6.0), Seat("e", 2, 4.0)]
-    assert layout_of(seats, 3) == {0: {"a": 10.0, "b": 10.0}, 1: {"c": 6.0}, 2: {"d": 6.0, "e": 4.0}}
+    assert layout_of(seats, 3) == {0: {"a": 10.0, "b": 6.0}, 1: {"c": 6.0}, 2: {"d": 6.0, "e": 4.0}}
     assert layout_of([Seat("a", 0, 0.0)], 2) == {0: {"a": 0.0}, 1: {}}
+
+
+def test_no_move_while_a_server_has_no_figure_unless_it_never_gets_one() -> None:
+    """A fast server and a slow one not measured yet: guessing the slow one's speed could name the
+    fast one as the mover, so the plan waits; a server that stays unmeasured for three cooldowns
+    (it gets no work) no longer holds everything up."""
+    seats = [Seat("fast", 0, 20.0, 60.0), Seat("slow", 0, 0.0, 60.0), Seat("x", 1, 2.0, 60.0),
+             Seat("y", 1, 2.0, 60.0)]
+    assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) is None
+    seats[1] = Seat("slow", 0, 2.0, 60.0)
+    assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) == Move("slow", 0, 1, before=4.0, after=6.0)
+    seats[1] = Seat("slow", 0, 0.0, 90.0)
+    assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) is not None
 
 
 def test_the_swarm_plan_includes_empty_stages() -> None:

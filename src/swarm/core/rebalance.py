@@ -85,31 +85,28 @@ def plan_move(layout: Layout, min_gain: float) -> Move | None:
 
 def layout_of(seats: Iterable[Seat], num_stages: int) -> dict[int, dict[str, float]]:
     """Every stage (empty ones too) with its servers' throughputs. A server not measured yet (a figure
-    of 0: it has not done enough work) counts like its stage's measured servers on average, or the
-    swarm's median server if none of its stage is measured: counting it as nothing would make its
-    stage look starved and draw servers to it."""
+    of 0: it has not done enough work) counts like the swarm's median measured server: counting it as
+    nothing would make its stage look starved and draw servers to it."""
     seats = list(seats)
     measured = sorted(seat.throughput for seat in seats if seat.throughput > 0)
     median = measured[len(measured) // 2] if measured else 0.0
-    by_stage: dict[int, list[float]] = {}
-    for seat in seats:
-        if seat.throughput > 0:
-            by_stage.setdefault(seat.stage, []).append(seat.throughput)
     layout: dict[int, dict[str, float]] = {stage: {} for stage in range(num_stages)}
     for seat in seats:
         if seat.stage in layout:
-            known = by_stage.get(seat.stage)
-            guess = sum(known) / len(known) if known else median
-            layout[seat.stage][seat.peer] = seat.throughput if seat.throughput > 0 else guess
+            layout[seat.stage][seat.peer] = seat.throughput if seat.throughput > 0 else median
     return layout
 
 
 def plan_for_swarm(seats: Iterable[Seat], num_stages: int, min_gain: float, cooldown: float) -> Move | None:
-    """The move to make now, if any: none while a server is moving or has served its stage for less
-    than `cooldown` seconds (its throughput there is not known yet, and the last move's effect is not
-    measured: acting on it would move a second server for the same shortage)."""
+    """The move to make now, if any. None while a server is moving or has served its stage for less
+    than `cooldown` seconds (the last move's effect is not measured yet: acting on it would move a
+    second server for the same shortage), or while a server has no figure yet (a guess for it could
+    name the wrong mover), unless it has gone without one for three cooldowns: it then counts like
+    the median server, so that a server that gets no work cannot stall rebalancing for good."""
     seats = list(seats)
     if any(seat.moving or seat.tenure < cooldown for seat in seats):
+        return None
+    if any(seat.throughput <= 0 and seat.tenure < 3 * cooldown for seat in seats):
         return None
     return plan_move(layout_of(seats, num_stages), min_gain)
 

@@ -174,6 +174,8 @@ class StageServer:
         self._gate = asyncio.Lock()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._moved = asyncio.Event()
+        self._cost = 0.0  # what the compute thread's last job cost (see _slowed)
+        self._cost_by_cpu = cfg.server.device == "cpu" and torch.get_num_threads() == 1
 
         self.dht = start_dht(cfg.net)
         try:
@@ -405,18 +407,25 @@ class StageServer:
             self.busy_seconds += elapsed
             if work is not None:
                 done, seconds = self._window.get(work, (0, 0.0))
-                self._window[work] = (done + samples, seconds + elapsed)
+                self._window[work] = (done + samples, seconds + (self._cost if self._cost_by_cpu else elapsed))
 
     def _slowed(self, fn, *args):
         """Run `fn`, then idle `server.slowdown - 1` times its CPU time: a slower machine, to the swarm.
+
         The compute thread's CPU time, not its wall time, so that a host shared with other servers
-        (whose processes delay this one) does not slow it down further."""
+        (whose processes delay this one) does not slow it down further. For the same reason, when
+        this thread does all of the work (a CPU server with one torch thread), its CPU time (times
+        the slowdown) is what the work costs in the throughput figures: waiting for a core that other
+        processes, or this server's own network thread, hold says nothing of the server's speed, and
+        a figure that fell whenever a server got busy would move servers back and forth."""
         start = time.thread_time()
         try:
             return fn(*args)
         finally:
+            used = time.thread_time() - start
             if self.cfg.server.slowdown > 1.0:
-                time.sleep((self.cfg.server.slowdown - 1.0) * (time.thread_time() - start))
+                time.sleep((self.cfg.server.slowdown - 1.0) * used)
+            self._cost = used * self.cfg.server.slowdown
 
     async def _batch_loop(self) -> None:
         """Merge forward requests that queued up while the compute thread was busy into one batch."""
