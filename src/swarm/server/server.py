@@ -150,6 +150,7 @@ class StageServer:
         self._lapsed = False  # the process stalled so long that its DHT record may have lapsed
         self._serving = False  # between entering the stage and leaving it
         self._moving_to: int | None = None  # the stage this server is about to move to (see _rebalance_loop)
+        self._drained = False  # moving, and done with this stage's work: it takes no more of it
 
     @property
     def label(self) -> str:
@@ -473,7 +474,7 @@ class StageServer:
         self._check_stage(meta)
         if meta.get("config") != self.hash:
             raise BadRequest(f"model config hash {meta.get('config')!r} differs from this server's {self.hash}")
-        if new_work and self._moving_to is not None:
+        if self._moving_to is not None and (new_work or self._drained):
             raise Unavailable(f"this server is moving to stage {self._moving_to}")
         req = meta.get("req")
         if not isinstance(req, str) or not req:
@@ -724,10 +725,13 @@ class StageServer:
             self.runtime.pending_samples or self._queued or self._fwd_queue or self.runtime.graphs
         ):
             await asyncio.sleep(0.05)
+        # from here on even backward passes go elsewhere (set without yielding to the loop in between:
+        # a backward admitted before is counted in _queued, so none can slip in unstepped)
+        self._drained = True
         others = [r for r in await self.directory.stage(self.stage) if r.peer_id != self.peer_id and not r.moving]
         if not others:
             log.warning("stage %d server %s stays: no other server of the stage is left", self.stage, self.label)
-            self._moving_to = None
+            self._moving_to, self._drained = None, False
             await self._announce()
             return False
         self.moves += 1
