@@ -113,7 +113,6 @@ class StageServer:
         self.hash = config_hash(cfg.model)
         self.max_request_bytes = int(cfg.net.max_payload_mb * 2**20)
         self.rng = random.Random()
-        self.moves = 0
         self._reset_stage(cfg.server.stage)
 
     def _reset_stage(self, stage: int) -> None:
@@ -734,7 +733,6 @@ class StageServer:
             self._moving_to, self._drained = None, False
             await self._announce()
             return False
-        self.moves += 1
         self._log_move(move, caps, time.monotonic() - started)
         return True
 
