@@ -36,10 +36,8 @@ class LayoutWatch:
         if not self.history or self.history[-1][1] != members:
             self.history.append((time.monotonic(), members, status.min_epoch))
 
-    def counts(self) -> list[tuple[int, ...]]:
-        return [tuple(len(m[k]) for k in sorted(m)) for _, m, _ in self.history]
-
     def first(self, counts: tuple[int, ...]) -> tuple[float, dict[int, list[str]], int]:
+        """The first poll at which the stages had these many servers."""
         return next(h for h in self.history if tuple(len(h[1][k]) for k in sorted(h[1])) == counts)
 
 

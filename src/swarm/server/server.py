@@ -212,9 +212,8 @@ class StageServer:
         """The configured stage, or with `server.auto_stage` the one with the least capacity now."""
         if not self.cfg.server.auto_stage:
             return self.cfg.server.stage
-        seats = await self._seats()
-        stage = choose_stage(layout_of(seats, self.cfg.model.num_stages))
-        caps = capacities(layout_of(seats, self.cfg.model.num_stages))
+        layout = layout_of(await self._seats(), self.cfg.model.num_stages)
+        stage, caps = choose_stage(layout), capacities(layout)
         log.info("server %s joins stage %d, the one with the least capacity (samples/s by stage: %s)",
                  self.label, stage, " ".join(f"{k}:{c:.1f}" for k, c in caps.items()))
         return stage
