@@ -105,12 +105,15 @@ def test_a_frozen_server_catches_up_before_it_serves_again(tmp_path):
     faults = FaultInjector(tmp_path)
     frozen_for = cfg.trainer.request_timeout + cfg.net.record_ttl
     frozen: list[Peer] = []
+    frozen_at: list[int] = []  # the stage's epoch when it was frozen
 
     def inject(status) -> None:
         if not frozen and status.min_epoch >= 3:
             frozen.append(swarm.servers(stage=1)[0])
+            frozen_at.append(max(status.epochs[1]))
             faults.freeze(frozen[0])
-        elif len(faults.events) == 1 and time.time() - faults.events[0].time > frozen_for:
+        elif (len(faults.events) == 1 and time.time() - faults.events[0].time > frozen_for
+              and max(status.epochs.get(1) or [0]) >= frozen_at[0] + 2):  # the stage stepped on without it
             faults.thaw(frozen[0])
 
     summary = run_swarm(swarm, inject)
