@@ -5,27 +5,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 
 from swarm.averaging.allreduce import RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.net.protocol import decode, encode
 from swarm.net.transport import CallFailed
+from swarm.wire.codecs import EXACT, Policy, error_bound
 from swarm.wire.validate import BadRequest
 
 SHORT = 0.3  # seconds a round may take in tests that expect it to fail
 MARGIN = 5.0  # outer deadline: a hang fails the test instead of stalling the suite
 
 
-class LoopbackClient:
-    """Delivers `reduce` calls to the owner's `contribute` as the transport would: copies of the tensors
-    travel, a refusal comes back as CallFailed(refused=True), and the call has a deadline."""
+async def _through_wire(meta: dict[str, Any], items: Sequence[Any], policy: Policy) -> tuple[dict, list]:
+    """What the other side reads: the call's metadata and tensors framed and packed as the transport does."""
+    async def stream() -> AsyncIterator[Any]:
+        for message in encode(runtime_pb2.ExpertRequest, meta, items, policy):
+            yield message
 
-    def __init__(self, own_id: str, members: dict[str, StageAllReduce]):
+    return await decode(stream(), 1 << 40)
+
+
+class LoopbackClient:
+    """Delivers `reduce` calls to the owner's `contribute` as the transport would: the tensors travel
+    framed and packed by `policy`, a refusal comes back as CallFailed(refused=True), and the call has
+    a deadline."""
+
+    def __init__(self, own_id: str, members: dict[str, StageAllReduce], policy: Policy):
         self.own_id = own_id
         self.members = members
+        self.policy = policy
         self.calls: list[tuple[str, str]] = []
         self.lose_reply_from: set[str] = set()  # owners whose next reply is lost after they answered
         self.dead: set[str] = set()  # owners every call to fails at once, as to a killed process
@@ -39,9 +53,8 @@ class LoopbackClient:
             raise CallFailed(f"{method} failed: dial backoff")
         owner = self.members[peer_id]
         try:
-            reply, out = await asyncio.wait_for(
-                owner.contribute(dict(meta), [t.clone() for t in tensors], self.own_id), timeout
-            )
+            meta, received = await _through_wire(meta, tensors, self.policy)
+            reply, out = await asyncio.wait_for(owner.contribute(meta, received, self.own_id), timeout)
         except TimeoutError as e:
             raise CallFailed(f"{method} timed out after {timeout:.1f}s") from e
         except BadRequest as e:
@@ -49,7 +62,7 @@ class LoopbackClient:
         if peer_id in self.lose_reply_from:
             self.lose_reply_from.discard(peer_id)
             raise CallFailed(f"{method} failed: connection reset")
-        return dict(reply), [t.clone() for t in out]
+        return await _through_wire(reply, out, self.policy)
 
 
 def always(epoch: int, group: tuple[str, ...]) -> bool:
@@ -57,12 +70,14 @@ def always(epoch: int, group: tuple[str, ...]) -> bool:
 
 
 def make_members(
-    ids: Sequence[str], timeout: float = 5.0, on_wake: dict[str, Callable[[int, tuple[str, ...]], bool]] | None = None
+    ids: Sequence[str], timeout: float = 5.0, on_wake: dict[str, Callable[[int, tuple[str, ...]], bool]] | None = None,
+    policy: Policy = EXACT,
 ) -> dict[str, StageAllReduce]:
     members: dict[str, StageAllReduce] = {}
     for peer in ids:
         wake = (on_wake or {}).get(peer, always)
-        members[peer] = StageAllReduce(LoopbackClient(peer, members), peer, stage=1, timeout=timeout, on_wake=wake)
+        members[peer] = StageAllReduce(LoopbackClient(peer, members, policy), peer, stage=1, timeout=timeout,
+                                       on_wake=wake)
     return members
 
 
@@ -111,6 +126,28 @@ def test_every_member_gets_the_same_exact_mean(numel: int) -> None:
     for peer in ids:  # every member sent one part to each other owner
         assert sorted(members[peer].client.calls) == sorted((peer, o) for o in ids if o != peer)
         assert members[peer]._rounds == {} and members[peer]._started == {}
+
+
+@pytest.mark.parametrize("codec", ["fp16", "blockwise8", "uint8"])
+def test_a_lossy_codec_gives_every_member_the_same_bits(codec: str) -> None:
+    """Parts travel packed: the mean is only as exact as the codec, but each owner's packing is decoded
+    alike by every member, itself included, so the replicas still step to the same weights."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 3, "peerB": 5, "peerC": 8}
+    flat = grads(samples, 3001, seed=4)
+    members = make_members(ids, policy=Policy({"allreduce": codec}))
+
+    async def main() -> list[RoundResult]:
+        return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
+
+    results = run_all(main())
+    assert all(torch.equal(r.mean, results[0].mean) for r in results)
+    exact = torch.stack(list(flat.values())).sum(0) / sum(samples.values())
+    assert not torch.equal(results[0].mean, exact)  # the codec did act
+    # contributions and the mean were each packed once: twice the codec's bound on the mean's scale
+    # (each member's part, weighted by its share, is at most its own bound)
+    bound = sum(error_bound(g, codec) for g in flat.values()) / sum(samples.values()) + error_bound(exact, codec)
+    assert bool(((results[0].mean - exact).abs() <= bound * 1.01 + 1e-7).all())
 
 
 def test_every_member_records_the_union_of_microbatch_ids(caplog: pytest.LogCaptureFixture) -> None:

@@ -85,6 +85,8 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (['server.device="tpu"'], "server.device"),
         (["server.slowdown=0.5"], "server.slowdown"),
         (["rebalance.min_gain=0.9"], "rebalance.min_gain"),
+        (['wire.activations="zip"'], "wire.activations"),
+        (["wire.block=0"], "wire.block"),
         (["rebalance.period=0"], "rebalance.period"),
         (["local.layout=[4,1]", "model.num_stages=3"], "local.layout"),
         (["local.layout=[2,-1]", "model.num_stages=2"], "local.layout"),

@@ -12,7 +12,9 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.net.protocol import decode, encode
+from swarm.net.protocol import WIRE_KEY, Tagged, Traffic, decode, encode
+from swarm.wire import codecs
+from swarm.wire.codecs import Policy, error_bound
 from swarm.wire.validate import BadRequest
 
 MESSAGE_CAP = 4 * 1024 * 1024
@@ -212,3 +214,70 @@ def test_a_failing_stream_propagates_its_own_error() -> None:
 
     with pytest.raises(ConnectionResetError, match="peer went away"):
         asyncio.run(decode(broken(), UNLIMITED))
+
+
+# ---- codecs by role, and the bytes they cost ---------------------------------------------------------
+
+
+def _activations(seed: int = 0) -> torch.Tensor:
+    return torch.randn(4, 64, 128, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_each_role_travels_by_its_codec_and_both_sides_count_the_same_bytes() -> None:
+    """Activations go 8-bit, gradients fp16, and what the policy does not name (tokens) as it is; every
+    tensor comes back with its shape and dtype, within its codec's bound, and the receiver counts, role
+    by role, exactly the bytes the sender counted."""
+    policy = Policy({"activations": "blockwise8", "gradients": "fp16"})
+    x, dy = _activations(1), _activations(2) * 1e-3
+    tokens = torch.randint(0, 257, (4, 64), generator=torch.Generator().manual_seed(3))
+    items = [Tagged("activations", x), Tagged("gradients", dy), Tagged("tokens", tokens)]
+    sent, received = Traffic(), Traffic()
+    messages = list(encode(runtime_pb2.ExpertRequest, {"epoch": 1}, items, policy, sent))
+    meta, (x2, dy2, tokens2) = asyncio.run(decode(_stream(messages), UNLIMITED, received))
+
+    assert meta == {"epoch": 1}
+    assert torch.equal(tokens2, tokens)
+    for original, restored, codec in ((x, x2, "blockwise8"), (dy, dy2, "fp16")):
+        assert restored.dtype == original.dtype and restored.shape == original.shape
+        assert not torch.equal(restored, original)
+        assert bool(((restored - original).abs() <= error_bound(original, codec)).all())
+    assert {r: c["sent"] for r, c in sent.counts.items()} == {r: c["received"] for r, c in received.counts.items()}
+    assert sent.counts["activations"]["sent"] == codecs.encode(x, "blockwise8").nbytes == x.numel() * (1 + 4 / 256)
+    assert sent.counts["gradients"]["sent"] == 2 * dy.numel()
+    assert sent.counts["tokens"]["sent"] == 8 * tokens.numel()
+    assert sum(m.ByteSize() for m in messages) < sum(c["sent"] for c in sent.counts.values()) + 1024  # framing
+
+
+def test_a_packed_value_goes_as_it_is() -> None:
+    """What an all-reduce owner sends: packed once, so every receiver decodes the bits it decodes itself."""
+    packed = codecs.encode(_activations(), "uint8")
+    messages = list(encode(runtime_pb2.ExpertResponse, {}, [Tagged("allreduce", packed)], Policy()))
+    (restored,) = decode_list(messages)[1]
+    assert torch.equal(restored, codecs.decode(packed))
+
+
+def _drop_description(meta: dict[str, Any]) -> None:
+    del meta[WIRE_KEY]
+
+
+def _one_part_short(meta: dict[str, Any]) -> None:
+    meta[WIRE_KEY][0]["parts"] = 1  # blockwise8 sends codes and scales
+
+
+def _unknown_codec(meta: dict[str, Any]) -> None:
+    meta[WIRE_KEY][0]["codec"] = "zip"
+
+
+def _scales_for_a_smaller_tensor(meta: dict[str, Any]) -> None:
+    meta[WIRE_KEY][0]["shape"] = [2, 64, 128]
+
+
+@pytest.mark.parametrize("corrupt", [_drop_description, _one_part_short, _unknown_codec, _scales_for_a_smaller_tensor])
+def test_a_malformed_description_of_packed_tensors_is_refused(corrupt: Callable[[dict[str, Any]], None]) -> None:
+    messages = list(encode(runtime_pb2.ExpertRequest, {"epoch": 1}, [Tagged("activations", _activations())],
+                           Policy({"activations": "blockwise8"})))
+    meta = msgpack.unpackb(messages[0].metadata)
+    corrupt(meta)
+    messages[0].metadata = msgpack.packb(meta)
+    with pytest.raises(BadRequest, match="malformed"):
+        decode_list(messages)

@@ -4,7 +4,9 @@ The flat gradient is cut into one part per group member; member j reduces part j
 part j of its gradient sum to member j in one `reduce` call, and that same call returns the reduced
 part once member j has heard from the whole group. Reduction sums contributions in the group's
 sorted order and every member copies the owner's result (rather than adding a delta to its own
-tensor), so all replicas end with the same bits, and so the same weights after the step.
+tensor), so all replicas end with the same bits, and so the same weights after the step. Parts travel
+packed by the `allreduce` codec; the owner packs the reduced part once and decodes that same packing
+for itself, so a lossy codec changes the result's bits alike on every replica.
 
 Agreement on the group: every member derives the group from its own view of the stage (the servers
 at its epoch) and sends it with each contribution; an owner refuses a contribution whose group or
@@ -33,7 +35,9 @@ from typing import Any
 import torch
 
 from swarm.net.directory import short
+from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
+from swarm.wire import codecs
 from swarm.wire.validate import BadRequest
 
 log = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ class _Round:
     digest: str  # the owner's weights: contributions computed on other weights are refused
     contributions: dict[str, tuple[torch.Tensor, int, list[str]]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
-    result: tuple[torch.Tensor, int, list[str]] | None = None
+    result: tuple[codecs.Packed, int, list[str]] | None = None
 
 
 @dataclass
@@ -198,13 +202,15 @@ class StageAllReduce:
             "ids": ids,
         }
         if owner == self.own_id:
-            reply, tensors = await self.contribute(meta, [part], self.own_id)
+            reply, (answer,) = await self.contribute(meta, [part], self.own_id)
+            tensors = [codecs.decode(answer.value)]  # the very bits the other members decode
         else:
             # contributing is idempotent, so a call whose reply was lost is simply made again; an owner
             # that no call reaches has most likely died, and the round fails now rather than at its timeout
             for attempt in range(REDUCE_ATTEMPTS):
                 try:
-                    reply, tensors = await self.client.call(owner, "reduce", meta, [part], self.timeout)
+                    reply, tensors = await self.client.call(owner, "reduce", meta, [Tagged("allreduce", part)],
+                                                            self.timeout)
                     break
                 except CallFailed as e:
                     if e.answered or e.timed_out:
@@ -265,7 +271,8 @@ class StageAllReduce:
             if twice:
                 log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
                           ", ".join(twice[:5]))
-            rnd.result = (summed / max(total_samples, 1), total_samples, merged)
+            mean = summed / max(total_samples, 1)
+            rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
             rnd.complete.set()
         await rnd.complete.wait()
         if rnd.result is None:
@@ -273,6 +280,6 @@ class StageAllReduce:
         return self._answer(rnd.result)
 
     @staticmethod
-    def _answer(result: tuple[torch.Tensor, int, list[str]]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _answer(result: tuple[codecs.Packed, int, list[str]]) -> tuple[dict[str, Any], list[Tagged]]:
         mean, total, ids = result
-        return {"samples": total, "ids": ids}, [mean]
+        return {"samples": total, "ids": ids}, [Tagged("allreduce", mean)]

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, Policy
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or inconsistent; the message names the field."""
@@ -117,6 +119,27 @@ class NetConfig:
         )
         _require(self.max_payload_mb > 0, "net.max_payload_mb", "must be positive")
         _require(0 <= self.port < 65536, "net.port", f"must be a port number, got {self.port}")
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How tensors travel, by role: a codec each (see swarm.wire.codecs). Peers need not agree: every
+    tensor says how it was packed. The state a joining server downloads always travels exact."""
+
+    activations: str = "blockwise8"  # stage inputs and outputs, both directions
+    gradients: str = "blockwise8"  # gradients of stage outputs and inputs (backward)
+    allreduce: str = "blockwise8"  # a stage's gradient parts and their averages
+    block: int = DEFAULT_BLOCK  # values per fp32 scale for blockwise8
+
+    def __post_init__(self) -> None:
+        for role in ("activations", "gradients", "allreduce"):
+            codec = getattr(self, role)
+            _require(codec in CODECS, f"wire.{role}", f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+        _require(self.block > 0, "wire.block", f"must be positive, got {self.block}")
+
+    def policy(self) -> Policy:
+        return Policy({"activations": self.activations, "gradients": self.gradients,
+                       "allreduce": self.allreduce}, self.block)
 
 
 @dataclass(frozen=True)
@@ -255,6 +278,7 @@ class SwarmConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     net: NetConfig = field(default_factory=NetConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)

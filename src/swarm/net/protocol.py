@@ -4,86 +4,201 @@ Every tensor-carrying call is a stream, because hivemind caps unary messages at 
 one hangs the caller. Metadata rides on the first message only. The receiver counts bytes as parts
 arrive and refuses a payload over its limit before it is fully buffered. Metadata that would not fit
 beside a full tensor part (a state's delivery ledger can be a few hundred KiB) gets a message of its own.
+
+Each tensor travels packed by the codec of its role (`Tagged`; see `swarm.wire.codecs`): the
+metadata lists, per tensor, its role, codec and how many raw parts carry it, so the receiver decodes
+without knowing the sender's settings. Raw parts are plain little-endian bytes with a dtype and
+shape, written and checked here (no numpy dtype games, bf16 included). Both sides count the bytes
+of each role that cross the wire (`Traffic`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
 import torch
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from swarm.wire import codecs
 from swarm.wire.validate import BadRequest
 
 CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024  # a little under the 4 MiB cap, leaving room for framing
 INLINE_META_BYTES = 32 * 1024  # metadata up to this size shares the first message with a tensor part
+WIRE_KEY = "_wire"  # the metadata entry that describes the tensors
+META_ROLE = "meta"  # where the bytes of the metadata itself are counted
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+              torch.int16, torch.int32, torch.int64, torch.bool)
+}
+
+
+@dataclass(frozen=True)
+class Tagged:
+    """A tensor and what it is: its role picks its codec and where its bytes are counted. A value that
+    is already `Packed` goes as it is (an all-reduce owner sends every member the very same bits)."""
+
+    role: str
+    value: torch.Tensor | codecs.Packed
+
+
+Item = torch.Tensor | Tagged  # a bare tensor travels as it is, counted as "other"
+
+
+class Traffic:
+    """Bytes this peer put on and took off the wire, by role."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def add(self, role: str, direction: str, nbytes: int) -> None:
+        by_direction = self.counts.setdefault(role, {"sent": 0, "received": 0})
+        by_direction[direction] += nbytes
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {role: dict(counts) for role, counts in sorted(self.counts.items())}
 
 
 def encode(
-    cls: type[Message], meta: dict[str, Any], tensors: Sequence[torch.Tensor]
+    cls: type[Message],
+    meta: dict[str, Any],
+    tensors: Sequence[Item],
+    policy: codecs.Policy = codecs.EXACT,
+    traffic: Traffic | None = None,
 ) -> Iterator[Message]:
     """Yield the messages that carry `meta` and `tensors`; at least one even with no tensors."""
+    packs = [_pack(item, policy) for item in tensors]
+    if packs:
+        meta = {**meta, WIRE_KEY: [{"role": role, "parts": len(p.parts), **p.meta} for role, p in packs]}
     packed = msgpack.packb(meta)
     if len(packed) > CHUNK_BYTES:
         raise ValueError(f"metadata of {len(packed)} bytes exceeds one message")
+    if traffic is not None:
+        traffic.add(META_ROLE, "sent", len(packed))
     first = True
     if len(packed) > INLINE_META_BYTES:
         yield cls(metadata=packed)
         first = False
-    parts = (
-        part
-        for t in tensors
-        for part in split_for_streaming(
-            serialize_torch_tensor(t.detach().contiguous().cpu()), CHUNK_BYTES
-        )
-    )
-    for part in parts:
-        msg = cls(tensors=[part])
-        if first:
-            msg.metadata = packed
-            first = False
-        yield msg
+    for role, pack in packs:
+        for raw in pack.parts:
+            for part in split_for_streaming(_serialize(raw), CHUNK_BYTES):
+                if traffic is not None:
+                    traffic.add(role, "sent", len(part.buffer))
+                msg = cls(tensors=[part])
+                if first:
+                    msg.metadata = packed
+                    first = False
+                yield msg
     if first:
         yield cls(metadata=packed)
 
 
-async def decode(stream: AsyncIterator[Message], max_bytes: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+async def decode(
+    stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one."""
     meta: dict[str, Any] | None = None
-    tensors: list[torch.Tensor] = []
+    raw: list[torch.Tensor] = []
+    sizes: list[int] = []  # bytes of each raw part, for the accounting
     current: list[runtime_pb2.Tensor] = []
     total = 0
     async for msg in stream:  # an error of the stream itself (peer or connection failed) propagates as is
         with _garbage_is_bad_request():
             if meta is None:
                 meta = msgpack.unpackb(msg.metadata) if msg.metadata else {}
+                if traffic is not None:
+                    traffic.add(META_ROLE, "received", len(msg.metadata))
             for part in msg.tensors:
                 total += len(part.buffer)
                 if total > max_bytes:
                     raise BadRequest(f"payload exceeds the limit of {max_bytes / 2**20:.1f} MiB")
                 if part.dtype and current:
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+                    _collect(current, raw, sizes)
                     current = []
                 current.append(part)
     with _garbage_is_bad_request():
         if current:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(current)))
+            _collect(current, raw, sizes)
     if meta is None:
         raise BadRequest("empty stream: the other side closed it before sending anything")
     if not isinstance(meta, dict):
         raise BadRequest("malformed metadata")
-    return meta, tensors
+    return meta, _unpack(meta.pop(WIRE_KEY, None), raw, sizes, traffic)
+
+
+def _pack(item: Item, policy: codecs.Policy) -> tuple[str, codecs.Packed]:
+    if not isinstance(item, Tagged):
+        return "other", codecs.encode(item, "none")
+    if isinstance(item.value, codecs.Packed):
+        return item.role, item.value
+    return item.role, policy.pack(item.role, item.value)
+
+
+def _unpack(
+    wire: Any, raw: list[torch.Tensor], sizes: list[int], traffic: Traffic | None
+) -> list[torch.Tensor]:
+    """The tensors the raw parts encode, as the metadata describes them."""
+    if wire is None and not raw:
+        return []
+    if not (isinstance(wire, list) and all(isinstance(e, dict) and isinstance(e.get("parts"), int)
+                                           and e["parts"] > 0 and isinstance(e.get("role"), str) for e in wire)):
+        raise BadRequest("malformed payload: the tensors' description is missing or malformed")
+    if sum(e["parts"] for e in wire) != len(raw):
+        raise BadRequest(f"malformed payload: {len(raw)} tensor parts for a description of "
+                         f"{sum(e['parts'] for e in wire)}")
+    tensors, start = [], 0
+    for entry in wire:
+        stop = start + entry["parts"]
+        description = {k: v for k, v in entry.items() if k not in ("role", "parts")}
+        tensors.append(codecs.decode(codecs.Packed(description, raw[start:stop])))
+        if traffic is not None:
+            traffic.add(entry["role"], "received", sum(sizes[start:stop]))
+        start = stop
+    return tensors
+
+
+def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    tensor = tensor.detach().contiguous().cpu()
+    return runtime_pb2.Tensor(
+        buffer=tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
+        size=list(tensor.shape),
+        dtype=str(tensor.dtype).removeprefix("torch."),
+    )
+
+
+def _collect(parts: list[runtime_pb2.Tensor], raw: list[torch.Tensor], sizes: list[int]) -> None:
+    proto = combine_from_streaming(parts)
+    raw.append(_deserialize(proto))
+    sizes.append(len(proto.buffer))
+
+
+def _deserialize(proto: runtime_pb2.Tensor) -> torch.Tensor:
+    dtype = _DTYPES.get(proto.dtype)
+    if dtype is None:
+        raise BadRequest(f"malformed payload: unknown dtype {proto.dtype!r}")
+    if proto.compression != runtime_pb2.CompressionType.NONE or proto.requires_grad:
+        raise BadRequest("malformed payload: raw parts carry neither compression nor requires_grad")
+    shape = list(proto.size)
+    if any(n < 0 for n in shape):
+        raise BadRequest(f"malformed payload: negative size in {shape}")
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if len(proto.buffer) != expected:
+        raise BadRequest(f"malformed payload: {len(proto.buffer)} bytes for {shape} {proto.dtype} ({expected})")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(proto.buffer), dtype=dtype).view(shape)
 
 
 @contextlib.contextmanager
 def _garbage_is_bad_request() -> Iterator[None]:
-    """Protobuf, msgpack, numpy and torch errors while parsing all mean one thing: garbage arrived."""
+    """Protobuf, msgpack and torch errors while parsing all mean one thing: garbage arrived."""
     try:
         yield
     except BadRequest:

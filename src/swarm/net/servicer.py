@@ -17,12 +17,13 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.net.faultfile import FaultFile
-from swarm.net.protocol import decode, encode
+from swarm.net.protocol import Item, Traffic, decode, encode
+from swarm.wire.codecs import EXACT, Policy
 from swarm.wire.validate import BadRequest, Unavailable
 
 log = logging.getLogger(__name__)
 
-Reply = tuple[dict[str, Any], Sequence[torch.Tensor]]
+Reply = tuple[dict[str, Any], Sequence[Item]]
 Handler = Callable[[dict[str, Any], list[torch.Tensor], str], Awaitable[Reply]]
 Requests = AsyncIterator[runtime_pb2.ExpertRequest]
 Responses = AsyncIterator[runtime_pb2.ExpertResponse]
@@ -45,16 +46,19 @@ class StageHandler(Protocol):
 
 
 class StageServicer(ServicerBase):
-    def __init__(self, handler: StageHandler, faults: FaultFile | None = None):
+    def __init__(self, handler: StageHandler, faults: FaultFile | None = None, policy: Policy = EXACT,
+                 traffic: Traffic | None = None):
         self.handler = handler
         self.faults = faults
+        self.policy = policy
+        self.traffic = traffic
 
     async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
         caller = context.remote_id.to_base58()
         if self.faults is not None:
             await self.faults.apply()
         try:
-            meta, tensors = await decode(requests, self.handler.max_request_bytes)
+            meta, tensors = await decode(requests, self.handler.max_request_bytes, self.traffic)
             reply: Reply = await handler(meta, tensors, caller)
         except BadRequest as e:
             self.handler.refused(handler.__name__, caller, e)
@@ -64,7 +68,7 @@ class StageServicer(ServicerBase):
         except Exception as e:
             log.exception("handler %s failed", getattr(handler, "__name__", handler))
             reply = {"error": f"{type(e).__name__}: {e}", "refused": False}, []
-        for msg in encode(runtime_pb2.ExpertResponse, *reply):
+        for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, self.traffic):
             yield msg
 
     async def rpc_forward(self, requests: Requests, context: P2PContext) -> Responses:

@@ -17,8 +17,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.net.faultfile import FaultFile
-from swarm.net.protocol import decode, encode
+from swarm.net.protocol import Item, Traffic, decode, encode
 from swarm.net.servicer import StageServicer
+from swarm.wire.codecs import EXACT, Policy
 
 REPLY_LIMIT_BYTES = 1 << 34  # replies come from servers we chose; the request side is what is capped
 
@@ -35,16 +36,19 @@ class CallFailed(Exception):
 
 
 class StageClient:
-    def __init__(self, p2p: P2P, faults: FaultFile | None = None):
+    def __init__(self, p2p: P2P, faults: FaultFile | None = None, policy: Policy = EXACT,
+                 traffic: Traffic | None = None):
         self.p2p = p2p
         self.faults = faults
+        self.policy = policy
+        self.traffic = traffic
 
     async def call(
         self,
         peer_id: str,
         method: str,
         meta: dict[str, Any],
-        tensors: Sequence[torch.Tensor],
+        tensors: Sequence[Item],
         timeout: float,
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
@@ -52,9 +56,9 @@ class StageClient:
         async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
             if self.faults is not None:
                 await self.faults.apply()
-            requests = encode(runtime_pb2.ExpertRequest, meta, tensors)
+            requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, self.traffic)
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
-            return await decode(stream, REPLY_LIMIT_BYTES)
+            return await decode(stream, REPLY_LIMIT_BYTES, self.traffic)
 
         # A libp2p stream occasionally ends before the reply (seen under load on loopback). Every call
         # of the protocol is safe to repeat (servers answer a repeated accumulating call from a cache,

@@ -13,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from swarm.net.directory import short  # noqa: E402
+
 
 def read_steps(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     """Every step every server logged (killed ones too), by stage: one list per server."""
@@ -46,7 +48,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         stages.setdefault(s["stage"], {"replicas": []})["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
                                "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
-                               "catch_ups", "lost_samples", "stale_refusals", "duplicates")}
+                               "catch_ups", "lost_samples", "stale_refusals", "duplicates", "samples_served")}
         )
     step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
     step_ids: dict[int, dict[int, list[list[str]]]] = {}  # stage -> epoch -> each replica's list of its ids
@@ -89,10 +91,30 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "first_loss": _mean([c[2] for c in completed[:20]]),
         "final_loss": _mean([c[2] for c in completed[-20:]]),
         "stages": {str(k): v for k, v in sorted(stages.items())},
+        "wire": wire_summary(peers, samples),
         "moves": [{k: m[k] for k in ("time", "name", "peer_id", "source", "target", "before", "after")}
                   for m in read_moves(run_dir)],
         "_completed": completed,
         "_start": start,
+    }
+
+
+def wire_summary(peers: list[dict[str, Any]], samples: int) -> dict[str, Any]:
+    """Bytes on the wire by role over the whole run (each byte counted once, where it was sent: retries,
+    replays and state downloads included), and per completed sample."""
+    sent = _sum_dicts({role: c["sent"] for role, c in p["traffic"].items()} for p in peers)
+    total = sum(sent.values())
+    by_peer = []  # each peer's own bytes, sent plus received, per sample it handled
+    for p in peers:
+        handled = p["samples"] if p["role"] == "trainer" else p["samples_served"]
+        where = f"trainer {p['index']}" if p["role"] == "trainer" else f"stage {p['stage']}"
+        by_peer.append({"peer": f"{where} {short(p['peer_id'])}", "samples": handled, "bytes_per_sample": {
+            role: (c["sent"] + c["received"]) / handled for role, c in p["traffic"].items()} if handled else {}})
+    return {
+        "bytes_sent": {role: int(n) for role, n in sent.items()},
+        "bytes_per_sample": {role: n / samples for role, n in sent.items()} if samples else {},
+        "total_bytes_per_sample": total / samples if samples else None,
+        "by_peer": by_peer,
     }
 
 

@@ -40,6 +40,7 @@ from swarm.model import load_stages
 from swarm.net.directory import Directory, short
 from swarm.net.faultfile import FaultFile
 from swarm.net.node import start_dht, visible_addresses
+from swarm.net.protocol import Tagged, Traffic
 from swarm.net.servicer import StageServicer
 from swarm.net.transport import CallFailed, StageClient
 from swarm.server.checkpoints import CheckpointStore
@@ -113,6 +114,7 @@ class StageServer:
         self.hash = config_hash(cfg.model)
         self.max_request_bytes = int(cfg.net.max_payload_mb * 2**20)
         self.rng = random.Random()
+        self.traffic = Traffic()  # bytes on the wire by role, since this server entered its stage
         self._reset_stage(cfg.server.stage)
 
     def _reset_stage(self, stage: int) -> None:
@@ -127,7 +129,9 @@ class StageServer:
         self._window: dict[str, tuple[int, float]] = {}  # pass -> work (samples, seconds) since the last fold
         self._window_start = time.monotonic()
         self.steps: list[StepRecord] = []
-        self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0}
+        self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0,
+                         "samples_served": 0}
+        self.traffic.counts.clear()
         self._queued = 0
         self.busy_seconds = 0.0  # compute-thread time while serving this stage
         self.started = time.time()
@@ -182,10 +186,10 @@ class StageServer:
             self.peer_id = self.dht.peer_id.to_base58()
             p2p = await self.dht.replicate_p2p()
             faults = FaultFile(cfg.net.fault_file) if cfg.net.fault_file else None
-            self.client = StageClient(p2p, faults)
+            self.client = StageClient(p2p, faults, cfg.wire.policy(), self.traffic)
             self.directory = Directory(self.dht, cfg.net.run_id, cfg.net.record_ttl)
             await self._check_configs()
-            await StageServicer(self, faults).add_p2p_handlers(p2p)
+            await StageServicer(self, faults, cfg.wire.policy(), self.traffic).add_p2p_handlers(p2p)
             stage = await self._first_stage()
             while True:
                 await self._enter_stage(stage)
@@ -529,6 +533,7 @@ class StageServer:
     async def forward(self, meta, tensors, caller):
         key = self._admit(meta, caller, new_work=True)
         x, targets = self._check_forward(tensors)
+        self.counters["samples_served"] += x.shape[0]
         if targets is not None:
             if (cached := self._cached_reply(key)) is not None:
                 return cached
@@ -541,7 +546,7 @@ class StageServer:
         self._fwd_queue.append((key, x, fut))
         self._queued += 1
         self._fwd_ready.set()
-        return {"epoch": self.runtime.epoch}, [await fut]
+        return {"epoch": self.runtime.epoch}, [Tagged("activations", await fut)]
 
     async def backward(self, meta, tensors, caller):
         key = self._admit(meta, caller, new_work=False)
@@ -618,7 +623,7 @@ class StageServer:
 
     def _backward_done(self, key: str, meta: dict[str, Any], grad: torch.Tensor | None):
         """Remember the reply of a gradient call, so that a repeat of it costs no compute."""
-        reply = {"epoch": self.runtime.epoch, **meta}, [] if grad is None else [grad]
+        reply = {"epoch": self.runtime.epoch, **meta}, [] if grad is None else [Tagged("gradients", grad)]
         self._replies[key] = reply
         while len(self._replies) > REPLY_CACHE:
             del self._replies[next(iter(self._replies))]
@@ -627,7 +632,8 @@ class StageServer:
 
     async def state(self, meta, tensors, caller):
         self._check_stage(meta)
-        return await self._compute(self.runtime.state)
+        state, tensors = await self._compute(self.runtime.state)
+        return state, [Tagged("state", t) for t in tensors]
 
     async def ledger(self, meta, tensors, caller):
         """Where the caller's microbatches stand here: committed by a step (and at which epoch), held in
@@ -959,6 +965,7 @@ class StageServer:
             "ledger": {str(e): ids for e, ids in runtime.ledger().items()},
             "throughput": self.meter.rate,
             "capacity": self.capacity_meter.rate,
+            "traffic": self.traffic.as_dict(),
             "busy_seconds": self.busy_seconds,
             "alive_seconds": time.time() - self.started,
             **self.counters,

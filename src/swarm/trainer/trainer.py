@@ -46,6 +46,7 @@ from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
 from swarm.net.faultfile import FaultFile
 from swarm.net.node import start_dht
+from swarm.net.protocol import Tagged, Traffic
 from swarm.net.transport import CallFailed, StageClient
 from swarm.wire.records import ServerRecord, TrainerRecord
 
@@ -111,6 +112,7 @@ class Trainer:
         self.unresolved = 0
         self.done = False
         self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
+        self.traffic = Traffic()
         self._ids = itertools.count()
         self._mismatch_logged: set[str] = set()
         self._waiting_logged: set[int] = set()
@@ -140,7 +142,7 @@ class Trainer:
         try:
             self.peer_id = self.dht.peer_id.to_base58()
             faults = FaultFile(self.cfg.net.fault_file) if self.cfg.net.fault_file else None
-            self.client = StageClient(await self.dht.replicate_p2p(), faults)
+            self.client = StageClient(await self.dht.replicate_p2p(), faults, self.cfg.wire.policy(), self.traffic)
             self.directory = Directory(self.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
             self.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
@@ -271,7 +273,7 @@ class Trainer:
             self.inflight[peer] = self.inflight.get(peer, 0) + 1
             started = time.perf_counter()
             try:
-                reply = await self.client.call(peer, method, meta, tensors, timeout)
+                reply = await self.client.call(peer, method, meta, _tagged(stage, method, tensors), timeout)
             except CallFailed as e:
                 if e.refused:
                     raise MicrobatchFailed(f"stage {stage} refused the request: {e}") from e
@@ -458,7 +460,14 @@ class Trainer:
             "unresolved": self.unresolved,
             "started": getattr(self, "started", None),
             "call_seconds": self.call_seconds,
+            "traffic": self.traffic.as_dict(),
             "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.completed],
         }
         (out / f"trainer-{self.tc.index}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary))
 
+
+def _tagged(stage: int, method: str, tensors: list[torch.Tensor]) -> list[Tagged]:
+    """What a stage call carries: the stage's input (token ids at the first stage, activations after),
+    then the targets (forward to the last stage) or the gradient of the stage's output (backward)."""
+    roles = ("tokens" if stage == 0 else "activations", "gradients" if method == "backward" else "tokens")
+    return [Tagged(role, t) for role, t in zip(roles, tensors, strict=False)]

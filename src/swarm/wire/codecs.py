@@ -43,6 +43,20 @@ class Packed:
         return sum(p.numel() * p.element_size() for p in self.parts)
 
 
+@dataclass(frozen=True)
+class Policy:
+    """Which codec each tensor role travels with (roles not named travel as they are)."""
+
+    codecs: dict[str, str] = field(default_factory=dict)
+    block: int = DEFAULT_BLOCK
+
+    def pack(self, role: str, tensor: torch.Tensor) -> Packed:
+        return encode(tensor, self.codecs.get(role, "none"), self.block)
+
+
+EXACT = Policy()  # every tensor as it is
+
+
 def encode(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> Packed:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
@@ -71,7 +85,7 @@ def decode(packed: Packed) -> torch.Tensor:
     meta, parts = packed.meta, packed.parts
     codec = meta.get("codec")
     if codec not in CODECS:
-        raise BadRequest(f"unknown codec {codec!r}")
+        raise BadRequest(f"malformed compressed tensor: unknown codec {codec!r}")
     if codec == "none":
         _expect(len(parts) == 1, f"codec none carries one tensor, got {len(parts)}")
         return parts[0]
