@@ -51,10 +51,14 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
+@pytest.mark.parametrize("bottleneck", [0, 8])
 @pytest.mark.parametrize("share_weights", [False, True])
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
-def test_pipelined_stages_match_one_graph(num_stages: int, share_weights: bool) -> None:
-    stages = load_stages(tiny_cfg(n_layers=5, num_stages=num_stages, share_weights=share_weights))
+def test_pipelined_stages_match_one_graph(num_stages: int, share_weights: bool, bottleneck: int) -> None:
+    """Stage by stage, as the swarm runs it, the loss and every gradient are those of the whole model in
+    one graph (bottleneck layers included: the boundary's down- and up-projection are learned too)."""
+    stages = load_stages(tiny_cfg(n_layers=5, num_stages=num_stages, share_weights=share_weights,
+                                  bottleneck=bottleneck))
     model = ComposedModel(stages)
     inputs, targets = sample()
 
@@ -88,6 +92,26 @@ def test_stage_contract() -> None:
     assert loss.dim() == 0 and torch.isfinite(loss)
     with pytest.raises(ValueError, match="targets"):
         last(hidden)
+
+
+def test_bottleneck_layers_narrow_every_boundary_and_start_as_a_projection() -> None:
+    """With model.bottleneck = 8 only 8 values per token cross each boundary; at initialization each
+    boundary's down- then up-projection is an orthogonal projection (applying it twice changes nothing),
+    so the residual stream keeps its scale within the projected subspace."""
+    cfg = tiny_cfg(n_layers=3, num_stages=3, bottleneck=8)
+    first, middle, last = build_stages(cfg)
+    assert not hasattr(first, "up") and not hasattr(last, "down")
+    inputs, targets = sample(batch=2)
+    hidden = first(inputs)
+    assert hidden.shape == (2, 16, 8)
+    assert middle(hidden).shape == (2, 16, 8)
+    assert torch.isfinite(last(middle(hidden), targets))
+    for before, after in ((first, middle), (middle, last)):
+        projection = after.up.weight @ before.down.weight  # [d_model, d_model]
+        torch.testing.assert_close(projection @ projection, projection, rtol=0, atol=1e-5)
+        assert torch.linalg.matrix_rank(projection).item() == 8
+    unpartitioned = build_stages(tiny_cfg(n_layers=3, num_stages=3))  # same blocks, no bottleneck
+    assert first.blocks[0].attn.qkv.weight.equal(unpartitioned[0].blocks[0].attn.qkv.weight)
 
 
 def test_single_stage_takes_ids_and_targets() -> None:

@@ -42,6 +42,9 @@ class ModelConfig:
     seq_len: int = 128  # tokens per sample
     num_stages: int = 3
     share_weights: bool = False  # ALBERT-style: all layers of a stage reuse one block's weights
+    # width of the hidden state between stages: a learned down-projection ends every stage but the
+    # last and an up-projection begins the next one, so fewer values cross the network (0: d_model, none)
+    bottleneck: int = 0
     dropout: float = 0.0
     init_seed: int = 0  # every replica of a stage builds identical initial weights from it
 
@@ -60,6 +63,8 @@ class ModelConfig:
             f"cannot exceed model.n_layers ({self.num_stages} > {self.n_layers})",
         )
         _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(0 <= self.bottleneck < self.d_model, "model.bottleneck",
+                 f"must be in [0, model.d_model={self.d_model}), got {self.bottleneck}")
 
 
 @dataclass(frozen=True)

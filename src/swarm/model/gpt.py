@@ -2,7 +2,9 @@
 
 Each stage is a self-contained module so a server can host one stage without building the others'
 activations or optimizer state. Stages meet only at the hidden-state boundary `[B, T, d_model]`,
-which is what travels between peers.
+which is what travels between peers; with `model.bottleneck = b`, at `[B, T, b]`: each stage but the
+last ends with a learned projection down to `b` values per token and the next begins with one back up,
+so a boundary costs `b / d_model` of the bytes (compression the model learns to live with).
 """
 
 from __future__ import annotations
@@ -92,7 +94,12 @@ class GPTStage(nn.Module):
         if self.is_last:
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.bottleneck and not self.is_first:
+            self.up = nn.Linear(cfg.bottleneck, cfg.d_model)
+        if cfg.bottleneck and not self.is_last:
+            self.down = nn.Linear(cfg.d_model, cfg.bottleneck)
         self._init_weights(cfg)
+        self._init_bottlenecks(cfg)
 
     def _init_weights(self, cfg: ModelConfig) -> None:
         """GPT-2 init from a generator private to this stage, so any peer that builds stage k gets the
@@ -113,6 +120,19 @@ class GPTStage(nn.Module):
                     module.weight.fill_(1.0)
                     module.bias.zero_()
 
+    def _init_bottlenecks(self, cfg: ModelConfig) -> None:
+        """The two ends of a boundary start as each other's transpose, with orthonormal rows: together an
+        orthogonal projection onto a random `bottleneck`-wide subspace, which keeps the residual stream's
+        scale instead of shrinking it by two small random matrices. Each end draws the boundary's matrix
+        from a generator of its own, so the stages on both sides agree without seeing each other."""
+        with torch.no_grad():
+            if hasattr(self, "up"):
+                self.up.weight.copy_(_boundary_basis(cfg, self.index - 1))
+                self.up.bias.zero_()
+            if hasattr(self, "down"):
+                self.down.weight.copy_(_boundary_basis(cfg, self.index).t())
+                self.down.bias.zero_()
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq = input_ids.shape[1]
         if seq > self.seq_len:
@@ -128,13 +148,22 @@ class GPTStage(nn.Module):
         """input_ids [B, T] on the first stage, hidden [B, T, d] elsewhere; the last stage needs
         targets [B, T] and returns the mean loss over non-padding targets."""
         hidden = self._embed(inputs) if self.is_first else inputs
+        if hasattr(self, "up"):
+            hidden = self.up(hidden)
         for layer in range(self.n_layers):
             hidden = self.blocks[0 if self.share_weights else layer](hidden)
         if not self.is_last:
-            return hidden
+            return self.down(hidden) if hasattr(self, "down") else hidden
         if targets is None:
             raise ValueError(f"stage {self.index} is the last stage and needs targets to compute the loss")
         return self._loss(hidden, targets)
+
+
+def _boundary_basis(cfg: ModelConfig, boundary: int) -> torch.Tensor:
+    """[d_model, bottleneck] with orthonormal columns, the same on every peer for one boundary."""
+    gen = torch.Generator().manual_seed(cfg.init_seed * 1000 + 500 + boundary)
+    q, _ = torch.linalg.qr(torch.randn(cfg.d_model, cfg.bottleneck, generator=gen))
+    return q
 
 
 def build_stages(cfg: ModelConfig) -> list[nn.Module]:
