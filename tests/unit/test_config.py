@@ -136,6 +136,7 @@ def test_config_hash_stable_and_sensitive_to_every_model_field():
         "seq_len": 64,
         "num_stages": 2,
         "share_weights": True,
+        "bottleneck": 32,
         "dropout": 0.1,
         "init_seed": 1,
     }
