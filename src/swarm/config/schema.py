@@ -113,6 +113,9 @@ class NetConfig:
     # a JSON file of message delay/loss rules for this peer's stage calls (fault injection; see
     # swarm.net.faultfile); empty for none
     fault_file: str = ""
+    # a round trip added to every stage call (half before the request, half before the server handles
+    # it): latency for test networks on kernels without netem. DHT traffic is not delayed.
+    emulated_rtt_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _require(bool(self.run_id) and "." not in self.run_id, "net.run_id", "must be non-empty without '.'")
@@ -124,6 +127,7 @@ class NetConfig:
         )
         _require(self.max_payload_mb > 0, "net.max_payload_mb", "must be positive")
         _require(0 <= self.port < 65536, "net.port", f"must be a port number, got {self.port}")
+        _require(self.emulated_rtt_ms >= 0, "net.emulated_rtt_ms", f"must be >= 0, got {self.emulated_rtt_ms}")
 
 
 @dataclass(frozen=True)
@@ -265,9 +269,11 @@ class LocalSwarmConfig:
     trainers: int = 2
     threads_per_peer: int = 1
     timeout: float = 600.0  # seconds before the launcher gives up on the run
-    # every server on a network namespace host of its own, so that `swarm fault cut|shape` can act on
-    # its link (needs root and iproute2)
+    # every server and trainer on a network namespace host of its own, so that `swarm fault cut|shape`
+    # can act on its link (needs root and iproute2)
     netns: bool = False
+    # with netns: every peer's link (servers' and trainers') limited to this rate each way (0: unlimited)
+    link_mbit: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
@@ -275,6 +281,8 @@ class LocalSwarmConfig:
         _require(all(f >= 1 for f in self.slowdowns), "local.slowdowns", f"must be >= 1, got {list(self.slowdowns)}")
         _require(self.trainers > 0, "local.trainers", "must be positive")
         _require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
+        _require(self.link_mbit >= 0, "local.link_mbit", f"must be >= 0, got {self.link_mbit}")
+        _require(self.netns or not self.link_mbit, "local.link_mbit", "needs local.netns = true")
 
 
 @dataclass(frozen=True)

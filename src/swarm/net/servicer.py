@@ -8,6 +8,7 @@ will not help) or failed to serve it (retry elsewhere), and the server keeps ser
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035  hivemind recognises streams only by typing's alias
@@ -47,14 +48,17 @@ class StageHandler(Protocol):
 
 class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler, faults: FaultFile | None = None, policy: Policy = EXACT,
-                 traffic: Traffic | None = None):
+                 traffic: Traffic | None = None, delay: float = 0.0):
         self.handler = handler
         self.faults = faults
+        self.delay = delay  # seconds before serving a request: half of an emulated round trip
         self.policy = policy
         self.traffic = traffic
 
     async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
         caller = context.remote_id.to_base58()
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if self.faults is not None:
             await self.faults.apply()
         try:

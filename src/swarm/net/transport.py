@@ -37,9 +37,12 @@ class CallFailed(Exception):
 
 class StageClient:
     def __init__(self, p2p: P2P, faults: FaultFile | None = None, policy: Policy = EXACT,
-                 traffic: Traffic | None = None):
+                 traffic: Traffic | None = None, delay: float = 0.0):
+        """`delay`: seconds every request waits before it goes (half of an emulated round trip; the
+        server waits the other half)."""
         self.p2p = p2p
         self.faults = faults
+        self.delay = delay
         self.policy = policy
         self.traffic = traffic
 
@@ -54,6 +57,8 @@ class StageClient:
         stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
 
         async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
+            if self.delay:
+                await asyncio.sleep(self.delay)
             if self.faults is not None:
                 await self.faults.apply()
             requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, self.traffic)

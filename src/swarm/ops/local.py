@@ -173,17 +173,28 @@ class LocalSwarm:
         args = [self._peers_override(), f"server.stage={stage}", f'server.name="{name}"', *overrides]
         host = None
         if self.cfg.local.netns if namespace is None else namespace:
-            if self.lab is None:
-                raise ValueError("servers go on namespace hosts only in a swarm started with local.netns = true")
-            host = self.lab.add_host(name)
+            host = self._host(name)
             args.append(f'net.host="{host.ip}"')
         return self._spawn("server", name, args, stage, host=host)
 
     def add_trainer(self, index: int) -> Peer:
+        name = f"trainer-{index}"
         overrides = [
             self._peers_override(), f"trainer.index={index}", f"trainer.num_trainers={self.cfg.local.trainers}"
         ]
-        return self._spawn("trainer", f"trainer-{index}", overrides)
+        host = self._host(name) if self.cfg.local.netns else None
+        if host is not None:
+            overrides.append(f'net.host="{host.ip}"')
+        return self._spawn("trainer", name, overrides, host=host)
+
+    def _host(self, name: str) -> Host:
+        """A namespace host of its own for a peer, its link shaped to `local.link_mbit` if that is set."""
+        if self.lab is None:
+            raise ValueError("peers go on namespace hosts only in a swarm started with local.netns = true")
+        host = self.lab.add_host(name)
+        if self.cfg.local.link_mbit:
+            netlab.shape(host, self.cfg.local.link_mbit)
+        return host
 
     def servers(self, stage: int | None = None) -> list[Peer]:
         """Live servers (of the stage they were started for, if `stage` is given)."""

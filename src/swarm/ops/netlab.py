@@ -60,9 +60,12 @@ def heal(host: Host) -> None:
     _run("ip", "link", "set", host.link, "up")
 
 
-def shape(host: Host, mbit: float, burst_kbit: int = 64, latency_ms: int = 100) -> None:
-    """Limit the host's link to `mbit` in each direction (a token bucket on both veth ends)."""
-    tbf = ["tbf", "rate", f"{mbit}mbit", "burst", f"{burst_kbit}kbit", "latency", f"{latency_ms}ms"]
+def shape(host: Host, mbit: float, latency_ms: int = 100) -> None:
+    """Limit the host's link to `mbit` in each direction (a token bucket on both veth ends). The bucket
+    holds 4 ms of traffic (at least 64 KiB): a smaller one than a timer tick's worth caps the rate
+    below `mbit`."""
+    burst_bytes = max(64 * 1024, int(mbit * 1e6 / 8 * 0.004))
+    tbf = ["tbf", "rate", f"{mbit}mbit", "burst", str(burst_bytes), "latency", f"{latency_ms}ms"]
     _run("tc", "qdisc", "replace", "dev", host.link, "root", *tbf)
     _run("ip", "netns", "exec", host.netns, "tc", "qdisc", "replace", "dev", host.inner, "root", *tbf)
 

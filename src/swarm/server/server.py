@@ -186,10 +186,11 @@ class StageServer:
             self.peer_id = self.dht.peer_id.to_base58()
             p2p = await self.dht.replicate_p2p()
             faults = FaultFile(cfg.net.fault_file) if cfg.net.fault_file else None
-            self.client = StageClient(p2p, faults, cfg.wire.policy(), self.traffic)
+            half_rtt = cfg.net.emulated_rtt_ms / 2000
+            self.client = StageClient(p2p, faults, cfg.wire.policy(), self.traffic, half_rtt)
             self.directory = Directory(self.dht, cfg.net.run_id, cfg.net.record_ttl)
             await self._check_configs()
-            await StageServicer(self, faults, cfg.wire.policy(), self.traffic).add_p2p_handlers(p2p)
+            await StageServicer(self, faults, cfg.wire.policy(), self.traffic, half_rtt).add_p2p_handlers(p2p)
             stage = await self._first_stage()
             while True:
                 await self._enter_stage(stage)

@@ -142,7 +142,8 @@ class Trainer:
         try:
             self.peer_id = self.dht.peer_id.to_base58()
             faults = FaultFile(self.cfg.net.fault_file) if self.cfg.net.fault_file else None
-            self.client = StageClient(await self.dht.replicate_p2p(), faults, self.cfg.wire.policy(), self.traffic)
+            self.client = StageClient(await self.dht.replicate_p2p(), faults, self.cfg.wire.policy(), self.traffic,
+                                      self.cfg.net.emulated_rtt_ms / 2000)
             self.directory = Directory(self.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
             self.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
