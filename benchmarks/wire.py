@@ -94,7 +94,7 @@ def draw(results: dict, path: Path) -> None:
     for size in sorted({k[0] for k in keys}):
         rows = {r["variant"]: r for r in results.values() if r["size"] == size}
         axes[0].bar([f"{v}\n{size}" for v in rows], [r["tensor_bytes_per_sample"] / 1024 for r in rows.values()])
-    axes[0].set(ylabel="KiB per sample (activations, gradients, all-reduce)", title="bytes on the wire")
+    axes[0].set(ylabel="KiB per sample", title="bytes on the wire (activations, gradients, all-reduce)")
     axes[0].tick_params(axis="x", labelsize=6, rotation=60)
     axes[1].set(ylabel="samples/s", title="throughput")
     axes[1].tick_params(axis="x", labelsize=7, rotation=30)

@@ -85,6 +85,8 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (['server.device="tpu"'], "server.device"),
         (["server.slowdown=0.5"], "server.slowdown"),
         (["rebalance.min_gain=0.9"], "rebalance.min_gain"),
+        (["local.link_mbit=200"], "local.link_mbit"),
+        (["net.emulated_rtt_ms=-1"], "net.emulated_rtt_ms"),
         (["model.bottleneck=128"], "model.bottleneck"),
         (['wire.activations="zip"'], "wire.activations"),
         (["wire.block=0"], "wire.block"),
