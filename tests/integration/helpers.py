@@ -69,8 +69,11 @@ def tracebacks(run_dir: Path) -> dict[str, str]:
 
 def assert_replicas_in_step(summary: dict, run_dir) -> None:
     """Every step left all replicas of a stage with bit-identical weights (equal parameter digests),
-    as every replica logged its steps (killed ones too)."""
-    for stage, servers in read_steps(run_dir).items():
+    as every replica logged its steps (killed ones too), but for steps a replica later replaced by
+    loading a peer's state of that epoch or a newer one: a member frozen or killed right after it got
+    a round's last part steps, while the others, whose answer it never sent, step without it; the
+    stage goes on from theirs, and the frozen one takes it when it comes back (its `.loads.jsonl`)."""
+    for stage, servers in read_steps(run_dir, superseded=False).items():
         digests: dict[int, str] = {}
         for steps in servers:
             for step in steps:

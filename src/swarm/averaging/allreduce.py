@@ -19,9 +19,13 @@ union, so every member records the same ledger for the step. A microbatch listed
 was accumulated twice) is reported: the delivery rules exist to make that impossible.
 
 A member applies the step only if it received every part. If an owner dies after answering some
-members, those members step and the rest fall one epoch behind, which the server detects and repairs
-by downloading state from an up-to-date replica: the stage never holds two different weights at the
-same epoch.
+members, those members step and the rest fall one epoch behind, which the server detects (by the
+epochs replicas announce) and repairs by downloading state from an up-to-date replica. If the owner
+stops before it announces its own step (frozen or killed right after its last part came), the others
+cannot tell that it stepped: they step without it, and its step becomes a branch the stage does not go
+on from. A frozen owner that comes back finds the stage ahead and takes its state before it serves
+again (stale requests are refused meanwhile); `.loads.jsonl` beside its step log records that, and
+the report leaves such superseded steps out of the stage's history.
 """
 
 from __future__ import annotations

@@ -16,13 +16,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 from swarm.net.directory import short  # noqa: E402
 
 
-def read_steps(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """Every step every server logged (killed ones too), by stage: one list per server."""
+def read_steps(run_dir: Path, superseded: bool = True) -> dict[int, list[dict[str, Any]]]:
+    """Every step every server logged (killed ones too), by stage: one list per server. Without
+    `superseded`, less the steps a server later replaced by loading a peer's state of that epoch or
+    newer (a branch of the stage's history that the stage did not go on from)."""
     steps: dict[int, list[dict[str, Any]]] = {}
     for path in sorted((run_dir / "peers").glob("server-s*.steps.jsonl")):
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = _jsonl(path)
+        if not superseded:
+            loads = _jsonl(path.with_name(path.name.replace(".steps.", ".loads.")))
+            records = [r for r in records
+                       if not any(r["time"] <= load["time"] and r["epoch"] <= load["epoch"] for load in loads)]
         steps.setdefault(int(path.name.split("-")[1][1:]), []).append(records)
     return steps
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def read_moves(run_dir: Path) -> list[dict[str, Any]]:
@@ -42,7 +52,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     servers = [p for p in peers if p["role"] == "server"]
     trainers = [p for p in peers if p["role"] == "trainer"]
     completed = sorted((c for t in trainers for c in t["completed"]), key=lambda c: c[0])
-    logged = read_steps(run_dir)
+    logged = read_steps(run_dir, superseded=False)  # the history the stage went on from
     stages: dict[int, dict[str, Any]] = {k: {"replicas": []} for k in logged}
     for s in servers:
         stages.setdefault(s["stage"], {"replicas": []})["replicas"].append(

@@ -534,10 +534,10 @@ class StageServer:
     async def forward(self, meta, tensors, caller):
         key = self._admit(meta, caller, new_work=True)
         x, targets = self._check_forward(tensors)
-        self.counters["samples_served"] += x.shape[0]
+        if targets is not None and (cached := self._cached_reply(key)) is not None:
+            return cached
+        self.counters["samples_served"] += x.shape[0]  # a repeat answered from the cache is not counted again
         if targets is not None:
-            if (cached := self._cached_reply(key)) is not None:
-                return cached
             loss, grad = await self._compute(
                 self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta),
                 work="forward", samples=x.shape[0],
@@ -927,6 +927,9 @@ class StageServer:
                     continue
             self.counters["catch_ups"] += 1
             self.counters["lost_samples"] += lost
+            with open(self._summary_path(".loads.jsonl"), "a") as out:  # steps logged before are superseded
+                loaded = {"time": time.time(), "epoch": self.runtime.epoch, "source": source.peer_id}
+                out.write(json.dumps(loaded) + "\n")
             if self.checkpoints is None:
                 self._durable_epoch = self.runtime.epoch  # the source holds it too
             log.info(
