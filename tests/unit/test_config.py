@@ -86,6 +86,8 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (["server.slowdown=0.5"], "server.slowdown"),
         (["rebalance.min_gain=0.9"], "rebalance.min_gain"),
         (["local.link_mbit=200"], "local.link_mbit"),
+        (['optim.optimizer="sgd"'], "optim.optimizer"),
+        (["optim.nag_momentum=1.0"], "optim.nag_momentum"),
         (["net.emulated_rtt_ms=-1"], "net.emulated_rtt_ms"),
         (["model.bottleneck=128"], "model.bottleneck"),
         (['wire.activations="zip"'], "wire.activations"),

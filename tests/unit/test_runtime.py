@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 
@@ -356,13 +357,16 @@ def train_steps(rt: StageRuntime, seeds: list[int]) -> None:
         rt.apply_step(rt.flat_grad() / samples, samples, group=1)
 
 
-def test_loaded_state_reproduces_the_next_step_bit_for_bit() -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "nag"])
+def test_loaded_state_reproduces_the_next_step_bit_for_bit(optimizer: str) -> None:
     """A newcomer that loads a replica's state (sent over the wire framing) holds the same bits, and
-    the same next step keeps both identical: optimizer moments and step count travel too."""
+    the same next step keeps both identical: optimizer moments (NAG: the weights behind the look-ahead
+    point) and step count travel too."""
     stage = load_stages(tiny_cfg())[1]
-    source = runtime(stage)
+    optim = dataclasses.replace(OPTIM, optimizer=optimizer)
+    source = runtime(stage, optim)
     train_steps(source, [40, 41])
-    newcomer = runtime(stage)
+    newcomer = runtime(stage, optim)
     assert newcomer.digest() != source.digest()
     accumulate(newcomer, seed=99)  # stale work, computed at other weights
 

@@ -81,8 +81,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Stage-wise synchronous AdamW: every replica of a stage takes the same step on averaged gradients."""
+    """Stage-wise synchronous steps: every replica of a stage takes the same step on averaged gradients."""
 
+    # adamw, or nag: Nesterov accelerated gradient as a weight correction (the parameters served hold
+    # the look-ahead point w + momentum * (w - w_prev); see swarm.server.nag)
+    optimizer: str = "adamw"
+    nag_momentum: float = 0.99
     lr: float = 3e-3
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
@@ -91,6 +95,8 @@ class OptimConfig:
     target_batch_size: int = 32  # samples a whole stage accumulates before it steps
 
     def __post_init__(self) -> None:
+        _require(self.optimizer in ("adamw", "nag"), "optim.optimizer", f"adamw or nag, got {self.optimizer!r}")
+        _require(0 <= self.nag_momentum < 1, "optim.nag_momentum", f"must be in [0, 1), got {self.nag_momentum}")
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "need two in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")

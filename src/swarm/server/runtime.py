@@ -33,6 +33,7 @@ import torch
 
 from swarm.config import OptimConfig
 from swarm.core.schedule import warmup_lr
+from swarm.server.nag import NesterovCorrection
 
 
 @dataclass(eq=False)
@@ -80,8 +81,10 @@ class StageRuntime:
         self.is_last = bool(getattr(module, "is_last", False))
         self.optim_cfg = optim
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        self.optimizer = (
+            NesterovCorrection(self.params, lr=optim.lr, momentum=optim.nag_momentum, weight_decay=optim.weight_decay)
+            if optim.optimizer == "nag"
+            else torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
         )
         self.autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
         self.graph_ttl = graph_ttl

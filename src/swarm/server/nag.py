@@ -1,0 +1,44 @@
+"""Nesterov accelerated gradient as a weight correction (Zuo et al., 2025, eq. 2).
+
+    d_t     = gamma * (w_t - w_{t-1})
+    w_{t+1} = w_t + d_t - lr * grad f(w_t + d_t)
+
+The parameters a stage serves hold the look-ahead point `w_t + d_t`, so the gradients its forward and
+backward passes produce are taken there, as the update wants; the optimizer keeps `w_t` (state
+`base`) to form the next correction. A gradient that arrives computed at older weights (a stale one,
+from a microbatch that was in flight across a step) is applied by the same rule: the look-ahead
+anticipates where the weights are heading, which is what makes the correction absorb staleness.
+Weight decay, if any, is decoupled (it shrinks `w_t`, as AdamW does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+class NesterovCorrection(torch.optim.Optimizer):
+    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.99,
+                 weight_decay: float = 0.0):
+        if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
+            raise ValueError(f"bad NAG settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ANN001  torch's signature
+        for group in self.param_groups:
+            lr, gamma, decay = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "base" not in state:  # w_0, before any step: d_0 = 0, so the parameter is w_0 itself
+                    state["base"] = p.detach().clone()
+                base = state["base"]
+                new = p - lr * p.grad.to(p.dtype)  # w_{t+1} = (w_t + d_t) - lr * grad
+                if decay:
+                    new -= lr * decay * base
+                correction = gamma * (new - base)  # d_{t+1}
+                base.copy_(new)
+                p.copy_(new + correction)
