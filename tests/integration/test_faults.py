@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -184,12 +185,14 @@ def test_a_trainer_killed_with_microbatches_in_flight(tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0 or not netlab.available(), reason="network namespaces need root and iproute2")
 def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
     """A stage-1 server on its own network namespace is cut off (DHT included) for longer than the
-    timeouts, then reconnected: it must not step alone while cut off, and it catches up after."""
-    cfg = small_config(tmp_path, "trainer.target_steps=14", "local.netns=true")
+    timeouts, then reconnected: it must not step alone while cut off, and it catches up after. The
+    run goes on until it has stepped with its stage again (then the trainers are told to finish)."""
+    cfg = small_config(tmp_path, "trainer.target_steps=200", "local.netns=true")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     cut_for = cfg.trainer.request_timeout + cfg.net.record_ttl
     isolated: list[Peer] = []
+    epochs: dict[str, int] = {}  # the stage's epoch at the cut, and at the heal
 
     def start() -> None:  # only one server on a namespace of its own; the rest share the root one
         swarm.start_bootstrap()
@@ -202,25 +205,37 @@ def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
     shaped: list[str] = []
 
     def inject(status) -> None:
-        if not faults.events and status.min_epoch >= 3 and len(status.epochs.get(1, [])) == 2:
+        stage1 = {r.name: r.epoch for r in status.servers.get(1, [])}
+        if not faults.events and status.min_epoch >= 3 and len(stage1) == 2:
+            epochs["cut"] = max(stage1.values())
             faults.cut(isolated[0])
-        elif len(faults.events) == 1 and time.time() - faults.events[0].time > cut_for:
+        elif (len(faults.events) == 1 and time.time() - faults.events[0].time > cut_for
+              and max(stage1.values(), default=0) >= epochs["cut"] + 2):  # the stage stepped on without it
+            epochs["heal"] = max(stage1.values())
             faults.heal(isolated[0])
         elif len(faults.events) == 2:  # then a bandwidth limit on its link, for a moment
             faults.shape(isolated[0], mbit=20)
             shaped.append(os.popen(f"tc qdisc show dev {isolated[0].host.link}").read())
             faults.unshape(isolated[0])
+        elif (len(faults.events) == 4 and "end" not in epochs and len(set(stage1.values())) == 1
+              and isolated[0].name in stage1 and min(stage1.values()) >= epochs["heal"] + 2):
+            epochs["end"] = min(stage1.values())  # caught up, and stepping with the other replica
+            for trainer in swarm.trainers():
+                trainer.process.send_signal(signal.SIGTERM)
 
     swarm.start = start
     summary = run_swarm(swarm, inject)
 
     assert isolated[0].host is not None and swarm.lab is not None
     assert [e.kind for e in faults.events] == ["cut", "heal", "shape", "unshape"]
+    assert "end" in epochs, epochs
     assert "tbf" in shaped[0] and "rate 20Mbit" in shaped[0]
     healed = server_summary(tmp_path, isolated[0])
     assert healed["catch_ups"] >= 1, healed
-    assert all(s["group"] == 2 for s in server_steps(tmp_path, healed["peer_id"]))  # it never stepped alone
-    assert_finished(summary, cfg)
+    steps = server_steps(tmp_path, healed["peer_id"])
+    assert all(s["group"] == 2 for s in steps)  # it never stepped alone
+    assert any(s["epoch"] > epochs["heal"] for s in steps), steps  # and it stepped with its stage again
+    assert summary["final_loss"] < summary["first_loss"] - 0.3, summary
     assert_exactly_once(summary)
     assert_replicas_in_step(summary, tmp_path)
     assert not any(swarm.lab.gateway in line for line in os.popen("ip -brief addr").read().splitlines())
