@@ -33,11 +33,6 @@ INLINE_META_BYTES = 32 * 1024  # metadata up to this size shares the first messa
 WIRE_KEY = "_wire"  # the metadata entry that describes the tensors
 META_ROLE = "meta"  # where the bytes of the metadata itself are counted
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-              torch.int16, torch.int32, torch.int64, torch.bool)
-}
 
 
 @dataclass(frozen=True)
@@ -169,7 +164,7 @@ def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     return runtime_pb2.Tensor(
         buffer=tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
         size=list(tensor.shape),
-        dtype=str(tensor.dtype).removeprefix("torch."),
+        dtype=codecs.dtype_name(tensor.dtype),
     )
 
 
@@ -180,7 +175,7 @@ def _collect(parts: list[runtime_pb2.Tensor], raw: list[torch.Tensor], sizes: li
 
 
 def _deserialize(proto: runtime_pb2.Tensor) -> torch.Tensor:
-    dtype = _DTYPES.get(proto.dtype)
+    dtype = codecs.DTYPES.get(proto.dtype)
     if dtype is None:
         raise BadRequest(f"malformed payload: unknown dtype {proto.dtype!r}")
     if proto.compression != runtime_pb2.CompressionType.NONE or proto.requires_grad:

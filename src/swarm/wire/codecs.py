@@ -29,7 +29,16 @@ from swarm.wire.validate import BadRequest
 CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
 DEFAULT_BLOCK = 256
 _FP16_MAX = 65504.0
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+# every dtype that may cross the wire, by the name it travels under
+DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
+              torch.int16, torch.int32, torch.int64, torch.bool)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -63,7 +72,7 @@ def encode(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> Pack
     tensor = tensor.detach()
     if not tensor.is_floating_point() or codec == "none":
         return Packed({"codec": "none"}, [tensor])
-    dtype = str(tensor.dtype).removeprefix("torch.")
+    dtype = dtype_name(tensor.dtype)
     meta: dict[str, Any] = {"codec": codec, "shape": list(tensor.shape), "dtype": dtype}
     flat = tensor.reshape(-1).float()
     if codec == "fp16":
@@ -89,9 +98,9 @@ def decode(packed: Packed) -> torch.Tensor:
     if codec == "none":
         _expect(len(parts) == 1, f"codec none carries one tensor, got {len(parts)}")
         return parts[0]
-    shape, dtype = meta.get("shape"), _DTYPES.get(meta.get("dtype"))
+    shape, dtype = meta.get("shape"), DTYPES.get(meta.get("dtype"))
     _expect(isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), f"bad shape {shape!r}")
-    _expect(dtype is not None, f"bad dtype {meta.get('dtype')!r}")
+    _expect(dtype is not None and dtype.is_floating_point, f"bad dtype {meta.get('dtype')!r}")
     numel = math.prod(shape)
     wanted = {"fp16": [torch.float16], "bf16": [torch.bfloat16], "uint8": [torch.uint8],
               "blockwise8": [torch.int8, torch.float32]}[codec]
