@@ -87,10 +87,15 @@ def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: typing.Iterable[str] = (), base: dict[str, Any] | None = None
+    path: str | Path | None = None,
+    overrides: typing.Iterable[str] = (),
+    base: dict[str, Any] | typing.Sequence[dict[str, Any]] | None = None,
 ) -> SwarmConfig:
-    """Defaults <- `base` (a named recipe) <- TOML file at `path` <- `overrides`, validated."""
-    tree: dict[str, Any] = copy.deepcopy(base or {})
+    """Defaults <- `base` (a named recipe, or several, later ones winning) <- TOML file at `path` <-
+    `overrides`, validated."""
+    tree: dict[str, Any] = {}
+    for recipe in [base] if isinstance(base, dict) else base or ():
+        _merge(tree, copy.deepcopy(recipe))
     if path is not None:
         p = Path(path)
         if not p.is_file():

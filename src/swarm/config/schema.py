@@ -81,8 +81,17 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Stage-wise synchronous steps: every replica of a stage takes the same step on averaged gradients."""
+    """How a stage's replicas learn together.
 
+    `mode = "sync"`: every replica of a stage takes the same step on the stage's averaged gradient,
+    once the stage has accumulated `target_batch_size` samples. `mode = "async"` (Zuo et al., 2025):
+    every replica applies its optimizer to each microbatch's gradient at once (local updates), and the
+    replicas average their weights every `target_batch_size` samples of the stage, in the background,
+    while they go on serving (see swarm.server.runtime). In both modes an epoch is one such stage-wide
+    round, and the learning-rate warm-up counts epochs, so both see the same schedule per sample.
+    """
+
+    mode: str = "sync"
     # adamw, or nag: Nesterov accelerated gradient as a weight correction (the parameters served hold
     # the look-ahead point w + momentum * (w - w_prev); see swarm.server.nag)
     optimizer: str = "adamw"
@@ -92,9 +101,10 @@ class OptimConfig:
     weight_decay: float = 0.01
     warmup_steps: int = 5  # linear warm-up, in optimizer steps
     clip_grad_norm: float = 1.0  # 0 disables clipping
-    target_batch_size: int = 32  # samples a whole stage accumulates before it steps
+    target_batch_size: int = 32  # samples of the whole stage per step (sync) or between averages (async)
 
     def __post_init__(self) -> None:
+        _require(self.mode in ("sync", "async"), "optim.mode", f"sync or async, got {self.mode!r}")
         _require(self.optimizer in ("adamw", "nag"), "optim.optimizer", f"adamw or nag, got {self.optimizer!r}")
         _require(0 <= self.nag_momentum < 1, "optim.nag_momentum", f"must be in [0, 1), got {self.nag_momentum}")
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
@@ -182,10 +192,14 @@ class ServerConfig:
     # compute takes this many times its CPU time (the server sleeps the difference): a slower machine,
     # for building swarms of unequal servers on one host (measured with one torch thread per server)
     slowdown: float = 1.0
+    # seconds every forward and backward reply waits before it is sent (a slow or distant server). The
+    # wait counts in the throughput the server announces, so stochastic wiring sends it less work.
+    reply_delay: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
         _require(self.slowdown >= 1.0, "server.slowdown", f"must be >= 1, got {self.slowdown}")
+        _require(self.reply_delay >= 0, "server.reply_delay", f"must be >= 0, got {self.reply_delay}")
         _require(
             self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:"),
             "server.device",
@@ -272,6 +286,7 @@ class LocalSwarmConfig:
     # server.slowdown of each server in start order (stage 0's first), for a swarm of unequal machines;
     # servers beyond the list run at full speed
     slowdowns: tuple[float, ...] = ()
+    reply_delays: tuple[float, ...] = ()  # server.reply_delay of each server in start order, likewise
     trainers: int = 2
     threads_per_peer: int = 1
     timeout: float = 600.0  # seconds before the launcher gives up on the run
@@ -285,6 +300,8 @@ class LocalSwarmConfig:
         _require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
         _require(all(n >= 0 for n in self.layout), "local.layout", f"counts must be >= 0, got {list(self.layout)}")
         _require(all(f >= 1 for f in self.slowdowns), "local.slowdowns", f"must be >= 1, got {list(self.slowdowns)}")
+        _require(all(d >= 0 for d in self.reply_delays), "local.reply_delays",
+                 f"must be >= 0, got {list(self.reply_delays)}")
         _require(self.trainers > 0, "local.trainers", "must be positive")
         _require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
         _require(self.link_mbit >= 0, "local.link_mbit", f"must be >= 0, got {self.link_mbit}")

@@ -141,11 +141,13 @@ class LocalSwarm:
 
     def start(self) -> None:
         self.start_bootstrap()
-        slowdowns = iter(self.cfg.local.slowdowns)
+        slowdowns, delays = iter(self.cfg.local.slowdowns), iter(self.cfg.local.reply_delays)
         for stage, count in enumerate(start_layout(self.cfg)):
             for _ in range(count):
-                slowdown = next(slowdowns, 1.0)
-                self.add_server(stage, (f"server.slowdown={slowdown}",) if slowdown != 1.0 else ())
+                slowdown, delay = next(slowdowns, 1.0), next(delays, 0.0)
+                overrides = ((f"server.slowdown={slowdown}",) if slowdown != 1.0 else ()) + (
+                    (f"server.reply_delay={delay}",) if delay else ())
+                self.add_server(stage, overrides)
         for index in range(self.cfg.local.trainers):
             self.add_trainer(index)
 

@@ -58,7 +58,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         stages.setdefault(s["stage"], {"replicas": []})["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
                                "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
-                               "catch_ups", "lost_samples", "stale_refusals", "duplicates", "samples_served")}
+                               "catch_ups", "lost_samples", "stale_refusals", "duplicates", "samples_served",
+                               "reply_delay")}
         )
     step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
     step_ids: dict[int, dict[int, list[list[str]]]] = {}  # stage -> epoch -> each replica's list of its ids
@@ -102,6 +103,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "final_loss": _mean([c[2] for c in completed[-20:]]),
         "stages": {str(k): v for k, v in sorted(stages.items())},
         "wire": wire_summary(peers, samples),
+        "staleness": staleness_summary(servers),
         "moves": [{k: m[k] for k in ("time", "name", "peer_id", "source", "target", "before", "after")}
                   for m in read_moves(run_dir)],
         "_completed": completed,
@@ -126,6 +128,35 @@ def wire_summary(peers: list[dict[str, Any]], samples: int) -> dict[str, Any]:
         "total_bytes_per_sample": total / samples if samples else None,
         "by_peer": by_peer,
     }
+
+
+def staleness_summary(servers: list[dict[str, Any]]) -> dict[str, Any]:
+    """How many weight updates each gradient came after the forward it belongs to, per stage and over
+    the run: a histogram and its mean, median, 90th percentile and maximum (all 0 in sync mode)."""
+    by_stage: dict[int, Counter[int]] = {}
+    for s in servers:
+        by_stage.setdefault(s["stage"], Counter()).update({int(k): n for k, n in s.get("staleness", {}).items()})
+    summary = {str(k): _distribution(h) for k, h in sorted(by_stage.items())}
+    summary["all"] = _distribution(sum(by_stage.values(), Counter()))
+    return summary
+
+
+def _distribution(histogram: Counter[int]) -> dict[str, Any]:
+    total = sum(histogram.values())
+    if not total:
+        return {"gradients": 0}
+    ordered = sorted(histogram.items())
+
+    def quantile(q: float) -> int:
+        seen = 0
+        for value, n in ordered:
+            seen += n
+            if seen >= q * total:
+                return value
+        return ordered[-1][0]
+
+    return {"gradients": total, "mean": sum(v * n for v, n in ordered) / total, "median": quantile(0.5),
+            "p90": quantile(0.9), "max": ordered[-1][0], "histogram": {str(v): n for v, n in ordered}}
 
 
 def delivery(ledger: dict[int, list[list[str]]], completed: set[str]) -> dict[str, int]:

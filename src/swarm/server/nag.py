@@ -24,6 +24,9 @@ class NesterovCorrection(torch.optim.Optimizer):
         if lr <= 0 or not 0 <= momentum < 1 or weight_decay < 0:
             raise ValueError(f"bad NAG settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}")
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+        for group in self.param_groups:  # w_0, before any step: d_0 = 0, so the parameter is w_0 itself
+            for p in group["params"]:
+                self.state[p]["base"] = p.detach().clone()
 
     @torch.no_grad()
     def step(self, closure=None) -> None:  # noqa: ANN001  torch's signature
@@ -32,10 +35,7 @@ class NesterovCorrection(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "base" not in state:  # w_0, before any step: d_0 = 0, so the parameter is w_0 itself
-                    state["base"] = p.detach().clone()
-                base = state["base"]
+                base = self.state[p]["base"]
                 new = p - lr * p.grad.to(p.dtype)  # w_{t+1} = (w_t + d_t) - lr * grad
                 if decay:
                     new -= lr * decay * base

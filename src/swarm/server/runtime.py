@@ -14,6 +14,19 @@ backward recomputes the forward from the inputs the trainer sends along. A graph
 of several requests is back-propagated once for all of them (`backward_batch`): running it once per
 request would cost a full batch backward each time.
 
+Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its
+microbatch's mean gradient at once (a local update), and the stage's replicas average their weights
+every `target_batch_size` stage samples. Each forward then runs on a copy of the weights it saw (weight
+stashing, as in PipeDream): its backward, however many local updates later it comes, is the exact
+gradient at those older weights, and is applied to the current ones. That is the staleness asynchrony
+brings (the number of updates in between is recorded per gradient), and the one NAG's look-ahead is
+meant to absorb. Averaging is by deltas from the last averaged state (the `anchor`, identical on every
+replica): each replica sends its progress since then weighted by its samples, and all take
+`anchor + mean delta` (the same bits everywhere) plus whatever they learned locally while the round
+ran. A replica's un-averaged progress is what its `pending` microbatches hold: they are committed by
+the averaging round, and a replica that drops them (it was taken for gone, or loads a peer's state)
+returns to its anchor, so a microbatch still counts exactly once in the stage's averaged weights.
+
 Delivery ledger: the runtime knows which microbatches its accumulated gradient holds (`pending`) and
 which ones recent steps of the stage took in (`committed`, kept for `LEDGER_EPOCHS` epochs and sent
 along with the state). A microbatch already held or committed is never accumulated again: a repeated
@@ -45,6 +58,12 @@ class BatchGraph:
     epoch: int
     created: float
     rows: dict[str, slice]  # request id -> its rows in the batch
+    version: int = 0  # of the weights the forward ran at
+    stash: dict[str, torch.Tensor] | None = None  # async: the copy of the weights it ran at
+
+    def valid_for(self, epoch: int) -> bool:
+        """A stashed graph holds its own weights; any other holds the live ones, changed by each step."""
+        return self.stash is not None or self.epoch == epoch
 
     @property
     def size(self) -> int:
@@ -64,6 +83,21 @@ class StepRecord:
     digest: str  # hash of the parameters after the step: equal digests mean bit-identical replicas
     ids: list[str] = field(default_factory=list)  # the microbatches the step took in, stage-wide
     time: float = field(default_factory=time.time)
+    # async: how far this replica's weights are from the average right after the round (relative L2
+    # norm): the local progress it made while the round ran, which it keeps
+    drift: float = 0.0
+
+
+@dataclass(frozen=True)
+class AverageRound:
+    """What an async replica brings to an averaging round, taken at one instant of its weights."""
+
+    epoch: int
+    snapshot: torch.Tensor  # the averaged tensors then, flat
+    contribution: torch.Tensor  # (snapshot - anchor) * samples: its progress, weighted by its share
+    samples: int
+    ids: list[str]  # the microbatches whose gradients that progress holds
+    generation: int  # of the anchor it started from (see StageRuntime.discard_gradients)
 
 
 class StageRuntime:
@@ -80,6 +114,8 @@ class StageRuntime:
         self.is_first = bool(getattr(module, "is_first", False))
         self.is_last = bool(getattr(module, "is_last", False))
         self.optim_cfg = optim
+        self.asynchronous = optim.mode == "async"
+        self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = (
             NesterovCorrection(self.params, lr=optim.lr, momentum=optim.nag_momentum, weight_decay=optim.weight_decay)
@@ -96,15 +132,22 @@ class StageRuntime:
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
         self.recomputed_backwards = 0
-        self.last_digest = self.digest()  # of the current weights; replicas at one epoch must agree on it
+        self.version = 0  # changes of the weights: steps, local updates, averaging rounds
+        self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
+        # async: the averaged tensors as the last round left them (bit-identical on every replica)
+        self.anchor = self._flat_averaged() if self.asynchronous else None
+        self._generation = 0  # bumped whenever the anchor is replaced or the weights return to it
+        self.last_digest = self.digest()  # of the stage's agreed weights; replicas at one epoch must agree on it
 
     def accumulates(self, req_id: str) -> bool:
         """Whether a gradient for `req_id` would be new to the stage's ledger (else it is a duplicate)."""
         return req_id not in self.pending and req_id not in self.committed
 
-    def _hold(self, req_id: str, samples: int) -> None:
+    def _hold(self, req_id: str, samples: int, version: int) -> None:
         self.pending[req_id] = samples
         self.pending_samples += samples
+        stale = self.version - version
+        self.staleness[stale] = self.staleness.get(stale, 0) + 1
 
     # ---- compute -------------------------------------------------------------------------------
 
@@ -121,9 +164,15 @@ class StageRuntime:
         """Run several requests as one batch; keep the graph for each request's backward."""
         self.evict_stale_graphs()
         inputs = self._leaf(torch.cat([x for _, x in requests]))
+        stash = None
         with self._autocast():
-            outputs = self.module(inputs)
-        graph = BatchGraph(inputs, outputs, self.epoch, time.monotonic(), {})
+            if self.asynchronous:
+                live = zip(self.param_names, self.params, strict=True)
+                stash = {n: p.detach().clone().requires_grad_(True) for n, p in live}
+                outputs = torch.func.functional_call(self.module, stash, (inputs,))
+            else:
+                outputs = self.module(inputs)
+        graph = BatchGraph(inputs, outputs, self.epoch, time.monotonic(), {}, self.version, stash)
         results, start = [], 0
         for req_id, x in requests:
             graph.rows[req_id] = rows = slice(start, start + x.shape[0])
@@ -145,7 +194,8 @@ class StageRuntime:
         scaled = loss.float() * x.shape[0]
         if accumulate:
             scaled.backward()
-            self._hold(req_id, x.shape[0])
+            self._hold(req_id, x.shape[0], self.version)
+            self._local_update(x.shape[0])
             grad = None if self.is_first else inputs.grad.cpu()
         else:
             grad = None if self.is_first else torch.autograd.grad(scaled, inputs)[0].cpu()
@@ -154,7 +204,7 @@ class StageRuntime:
     def live_graph(self, req_id: str) -> BatchGraph | None:
         """The kept graph of a request's forward, if it is still valid for the current weights."""
         graph = self.graphs.get(req_id)
-        return graph if graph is not None and graph.epoch == self.epoch else None
+        return graph if graph is not None and graph.valid_for(self.epoch) else None
 
     def backward(
         self, req_id: str, x: torch.Tensor, grad_out: torch.Tensor, accumulate: bool = True
@@ -176,7 +226,8 @@ class StageRuntime:
             outputs = self.module(inputs)
         outputs.backward(grad_out.to(self.device))
         self.recomputed_backwards += 1
-        self._hold(req_id, x.shape[0])
+        self._hold(req_id, x.shape[0], self.version)
+        self._local_update(x.shape[0])
         return None if self.is_first else inputs.grad.cpu()
 
     def _input_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
@@ -195,7 +246,7 @@ class StageRuntime:
 
         The graph is consumed: requests of it whose gradient comes later are recomputed.
         """
-        if graph.epoch != self.epoch:
+        if not graph.valid_for(self.epoch):
             raise ValueError("the graph was built with weights this replica no longer holds")
         for req_id in graph.rows:
             self.graphs.pop(req_id, None)
@@ -207,9 +258,15 @@ class StageRuntime:
                 full[graph.rows[req_id]] = dy.to(self.device)
             graph.outputs.backward(full.to(graph.outputs.dtype))
             self.fast_backwards += len(fresh)
+            samples = 0
             for r in fresh:
-                self._hold(r, graph.rows[r].stop - graph.rows[r].start)
+                samples += graph.rows[r].stop - graph.rows[r].start
+                self._hold(r, graph.rows[r].stop - graph.rows[r].start, graph.version)
                 results[r] = None if self.is_first else graph.inputs.grad[graph.rows[r]].cpu()
+            if graph.stash is not None:  # the gradient at the stashed weights, applied to the live ones
+                for p, name in zip(self.params, self.param_names, strict=True):
+                    p.grad = graph.stash[name].grad
+            self._local_update(samples)
         for r in grads.keys() - fresh.keys():
             self.duplicates += 1
             results[r] = self._input_grad(graph.inputs[graph.rows[r]].detach(), grads[r])
@@ -218,7 +275,7 @@ class StageRuntime:
     def evict_stale_graphs(self) -> None:
         """Drop graphs whose backward never came (the trainer died) or that a step made invalid."""
         now = time.monotonic()
-        stale = [r for r, g in self.graphs.items() if g.epoch != self.epoch or now - g.created > self.graph_ttl]
+        stale = [r for r, g in self.graphs.items() if not g.valid_for(self.epoch) or now - g.created > self.graph_ttl]
         for r in stale:
             del self.graphs[r]
 
@@ -228,6 +285,30 @@ class StageRuntime:
         """All accumulated gradients as one float32 vector on the CPU (zeros where none arrived yet)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
+
+    def _optimizer_step(self) -> float:
+        """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm or math.inf))
+        lr = self.lr()
+        for group_ in self.optimizer.param_groups:
+            group_["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return norm
+
+    def lr(self) -> float:
+        return warmup_lr(self.epoch, self.optim_cfg.lr, self.optim_cfg.warmup_steps)
+
+    def _local_update(self, samples: int) -> None:
+        """Async: apply the microbatch's gradient (a sum over its samples, in `p.grad`) as its mean, now.
+        Sync: nothing; it waits in `p.grad` for the stage's step."""
+        if not self.asynchronous:
+            return
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = p.grad / samples
+        self._optimizer_step()
 
     def apply_step(
         self, mean_grad: torch.Tensor, samples: int, group: int, ids: list[str] | None = None
@@ -241,12 +322,8 @@ class StageRuntime:
             n = p.numel()
             p.grad = mean_grad[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype).clone()
             offset += n
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm or math.inf))
-        lr = warmup_lr(self.epoch, self.optim_cfg.lr, self.optim_cfg.warmup_steps)
-        for group_ in self.optimizer.param_groups:
-            group_["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.lr()
+        norm = self._optimizer_step()
         ids = sorted(self.pending) if ids is None else ids
         # the network thread reads the ledger while this runs: commit first, then forget what was
         # pending, then move the epoch, so a reader always finds a microbatch in one or the other
@@ -256,6 +333,59 @@ class StageRuntime:
         self.graphs.clear()
         self.last_digest = self.digest()
         return StepRecord(self.epoch, samples, group, lr, norm, self.last_digest, ids)
+
+    # ---- async: averaging rounds -----------------------------------------------------------------
+
+    def _averaged(self) -> list[torch.Tensor]:
+        """The tensors replicas average: the parameters, and NAG's `w_t` (without it, the shift an
+        average makes to the served look-ahead point would enter the next correction as velocity).
+        AdamW's moments stay each replica's own: statistics of its own gradients, which only scale its
+        steps, and averaging them would triple a round's traffic."""
+        tensors = list(self.params)
+        if isinstance(self.optimizer, NesterovCorrection):
+            tensors += [self.optimizer.state[p]["base"] for p in self.params]
+        return tensors
+
+    def _flat_averaged(self) -> torch.Tensor:
+        return torch.cat([t.detach().float().reshape(-1).cpu() for t in self._averaged()])
+
+    @torch.no_grad()
+    def _set_averaged(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for t in self._averaged():
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t).to(device=t.device, dtype=t.dtype))
+            offset += n
+
+    def begin_average(self) -> AverageRound:
+        """This replica's part of an averaging round, as its weights stand now (it goes on updating)."""
+        snapshot = self._flat_averaged()
+        samples = self.pending_samples
+        return AverageRound(self.epoch, snapshot, (snapshot - self.anchor) * samples, samples,
+                            sorted(self.pending), self._generation)
+
+    def finish_average(
+        self, own: AverageRound, mean_delta: torch.Tensor, samples: int, group: int, ids: list[str]
+    ) -> StepRecord:
+        """Move the anchor by the stage's mean delta and keep the local progress made since `own` was
+        taken. The new anchor is the same bits on every replica of the round; the live weights differ
+        from it by that local progress only (`drift`)."""
+        anchor = self.anchor + mean_delta
+        current = self._flat_averaged()
+        # local progress since the snapshot is kept, unless the weights were meanwhile reset to the anchor
+        live = anchor + (current - own.snapshot) if own.generation == self._generation else anchor
+        self._set_averaged(live)
+        self.anchor = anchor
+        self._generation += 1
+        self._commit(ids, self.epoch + 1)
+        for req_id in own.ids:
+            self.pending_samples -= self.pending.pop(req_id, 0)
+        self.epoch += 1
+        self.version += 1
+        self.last_digest = self.digest()
+        drift = float((live - anchor).norm() / anchor.norm().clamp_min(1e-12))
+        return StepRecord(self.epoch, samples, group, self.lr(), float(mean_delta.norm()), self.last_digest, ids,
+                          drift=drift)
 
     def _commit(self, ids: list[str], epoch: int) -> None:
         for req_id in ids:
@@ -268,29 +398,49 @@ class StageRuntime:
             del self.committed[first]
 
     def discard_gradients(self) -> int:
-        """Forget accumulated gradients (they belong to weights this replica no longer holds)."""
+        """Forget accumulated gradients (they belong to weights this replica no longer holds); async,
+        the local progress they made: the weights return to the anchor."""
         lost = self.pending_samples
         self.optimizer.zero_grad(set_to_none=True)
+        if self.asynchronous and lost:
+            self._set_averaged(self.anchor)
+            self._generation += 1
+            self.version += 1
         self.pending, self.pending_samples = {}, 0
         self.graphs.clear()
         return lost
 
     def digest(self) -> str:
-        return _digest(self.params)
+        """Of the weights the stage agreed on: the parameters (sync) or their anchor (async)."""
+        return _digest(self._agreed_params())
+
+    def _agreed_params(self) -> list[torch.Tensor]:
+        return self._anchor_views()[: len(self.params)] if self.asynchronous else self.params
+
+    def _anchor_views(self) -> list[torch.Tensor]:
+        """The anchor cut into the shapes of the averaged tensors (async)."""
+        views, offset = [], 0
+        for t in self._averaged():
+            views.append(self.anchor[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        return views
 
     # ---- state transfer (newcomers and stragglers) ---------------------------------------------
 
     def state(self) -> tuple[dict, list[torch.Tensor]]:
-        """Parameters, buffers and optimizer state, flattened for the wire."""
+        """Parameters, buffers and optimizer state, flattened for the wire. Async, the averaged tensors
+        are sent as the anchor holds them: a replica's un-averaged progress stays its own (its pending
+        microbatches would otherwise count twice in the next round)."""
+        agreed = dict(zip(map(id, self._averaged()), self._anchor_views(), strict=True)) if self.asynchronous else {}
         names, tensors = [], []
-        for name, t in self.module.state_dict().items():
+        for name, t in self.module.state_dict(keep_vars=True).items():
             names.append(name)
-            tensors.append(t.detach().cpu().clone())
+            tensors.append(agreed.get(id(t), t).detach().cpu().clone())
         opt_keys = []
         for index, st in sorted(self.optimizer.state_dict()["state"].items()):
             for key, value in sorted(st.items()):
                 opt_keys.append([index, key])
-                tensors.append(torch.as_tensor(value).detach().cpu().clone())
+                tensors.append(torch.as_tensor(agreed.get(id(value), value)).detach().cpu().clone())
         ledger = [[epoch, ids] for epoch, ids in self.ledger().items()]
         meta = {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger, "digest": self.last_digest}
         return meta, tensors
@@ -318,6 +468,10 @@ class StageRuntime:
             opt_state["state"].setdefault(index, {})[key] = t
         self.optimizer.load_state_dict(opt_state)
         self.epoch = int(meta["epoch"])
+        if self.asynchronous:
+            self.anchor = self._flat_averaged()
+            self._generation += 1
+        self.version += 1
         self.last_digest = self.digest()
         self.discard_gradients()
         self.committed = {}

@@ -3,7 +3,9 @@
 Concurrency: one asyncio loop handles the network; all torch work runs on one compute thread,
 entered through `_gate` (an asyncio lock), so requests queue instead of oversubscribing the cores.
 The stage's optimizer step also holds the gate for its whole round: no gradient can slip in between
-the all-reduce and the step, which is what makes the step synchronous across the stage.
+the all-reduce and the step, which is what makes the step synchronous across the stage. An async
+stage's averaging round holds the gate only to take its snapshot and to apply the average: the
+exchange runs while the compute thread goes on serving (and updating the weights locally).
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ class StageServer:
             loop.add_signal_handler(sig, self.stop.set)
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self._gate = asyncio.Lock()
+        self._round_lock = asyncio.Lock()  # held for a whole step or averaging round
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._moved = asyncio.Event()
         self._cost = 0.0  # what the compute thread's last job cost (see _slowed)
@@ -271,7 +274,7 @@ class StageServer:
         announcer, stepper, batcher, *others = tasks
         for task in (announcer, *others):
             task.cancel()
-        async with self._gate:  # a round in progress holds the gate: it finishes for the whole stage first
+        async with self._round_lock, self._gate:  # a round in progress finishes for the whole stage first
             stepper.cancel()
         await asyncio.gather(announcer, stepper, *others, return_exceptions=True)
         await self.directory.withdraw_server(self._record())
@@ -542,12 +545,15 @@ class StageServer:
                 self.runtime.forward_backward_last, key, x, targets, _accumulate(meta), expires=_expiry(meta),
                 work="forward", samples=x.shape[0],
             )
+            await self._delay_reply("forward")
             return self._backward_done(key, {"loss": loss}, grad)
         fut = asyncio.get_running_loop().create_future()
         self._fwd_queue.append((key, x, fut))
         self._queued += 1
         self._fwd_ready.set()
-        return {"epoch": self.runtime.epoch}, [Tagged("activations", await fut)]
+        y = await fut
+        await self._delay_reply("forward")
+        return {"epoch": self.runtime.epoch}, [Tagged("activations", y)]
 
     async def backward(self, meta, tensors, caller):
         key = self._admit(meta, caller, new_work=False)
@@ -564,7 +570,17 @@ class StageServer:
                 self.runtime.backward, key, x, dy, accumulate, expires=_expiry(meta), work="backward",
                 samples=x.shape[0],
             )
+        await self._delay_reply("backward")
         return self._backward_done(key, {}, grad)
+
+    async def _delay_reply(self, work: str) -> None:
+        """`server.reply_delay`: the reply waits, and the wait counts as time this pass took, so the
+        announced throughput (and with it the share of work stochastic wiring sends here) falls."""
+        delay = self.cfg.server.reply_delay
+        if delay:
+            done, seconds = self._window.get(work, (0, 0.0))
+            self._window[work] = (done, seconds + delay)
+            await asyncio.sleep(delay)
 
     async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
         """Wait (briefly) for the other requests of this request's forward batch, then one backward for all.
@@ -854,33 +870,64 @@ class StageServer:
         return bool(trainers) and all(t.done for t in trainers)
 
     async def _step_round(self, epoch: int, group: tuple[str, ...]) -> None:
+        async with self._round_lock:
+            average = self._average_round if self.runtime.asynchronous else self._sync_round
+            record = await average(epoch, group)
+        if record is None:
+            return
+        self.steps.append(record)
+        self._log_step(record)
+        if record.group > 1 and self.checkpoints is None:  # with checkpoints, only the disk counts
+            self._durable_epoch = record.epoch
+        if self.runtime.asynchronous:
+            log.info("stage %d average %d: %d samples from %d replica(s), lr %.2e, mean delta norm %.3f, "
+                     "drift %.4f", self.stage, record.epoch, record.samples, record.group, record.lr,
+                     record.grad_norm, record.drift)
+        else:
+            log.info("stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
+                     self.stage, record.epoch, record.samples, record.group, record.lr, record.grad_norm)
+        await self._announce()
+        if self.checkpoints is not None and record.epoch % self.cfg.server.checkpoint_every == 0:
+            await self._checkpoint()
+
+    async def _sync_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
+        """All-reduce the stage's gradients and step, holding the gate throughout."""
         async with self._gate:
             if self._drop_if_presumed_gone() or self.runtime.epoch != epoch:
-                return
+                return None
             self._behind_since.clear()
             self._round_epoch = epoch
             try:
                 samples, ids = self.runtime.pending_samples, sorted(self.runtime.pending)
                 flat = await self._run_timed(self.runtime.flat_grad)
-                if len(group) > 1:
-                    result = await self.allreduce.run(epoch, group, flat, samples, self.runtime.last_digest, ids)
-                    mean, samples, ids = result.mean, result.samples, result.ids
-                else:
-                    mean = flat / max(samples, 1)
-                record = await self._run_timed(self.runtime.apply_step, mean, samples, len(group), ids)
+                mean, samples, ids = await self._reduce(epoch, group, flat, samples, ids)
+                return await self._run_timed(self.runtime.apply_step, mean, samples, len(group), ids)
             finally:
                 self._round_epoch = None
-        self.steps.append(record)
-        self._log_step(record)
-        if record.group > 1 and self.checkpoints is None:  # with checkpoints, only the disk counts
-            self._durable_epoch = record.epoch
-        log.info(
-            "stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
-            self.stage, record.epoch, record.samples, record.group, record.lr, record.grad_norm,
-        )
-        await self._announce()
-        if self.checkpoints is not None and record.epoch % self.cfg.server.checkpoint_every == 0:
-            await self._checkpoint()
+
+    async def _average_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
+        """Average the replicas' weights (async mode); serving goes on while the deltas travel."""
+        async with self._gate:
+            if self._drop_if_presumed_gone() or self.runtime.epoch != epoch:
+                return None
+            self._behind_since.clear()
+            own = await self._run_timed(self.runtime.begin_average)
+        self._round_epoch = epoch
+        try:
+            mean, samples, ids = await self._reduce(epoch, group, own.contribution, own.samples, own.ids)
+            async with self._gate:
+                return await self._run_timed(self.runtime.finish_average, own, mean, samples, len(group), ids)
+        finally:
+            self._round_epoch = None
+
+    async def _reduce(
+        self, epoch: int, group: tuple[str, ...], flat: torch.Tensor, samples: int, ids: list[str]
+    ) -> tuple[torch.Tensor, int, list[str]]:
+        """The stage's sample-weighted mean of `flat` (sums over samples), its samples and microbatches."""
+        if len(group) == 1:
+            return flat / max(samples, 1), samples, ids
+        result = await self.allreduce.run(epoch, group, flat, samples, self.runtime.last_digest, ids)
+        return result.mean, result.samples, result.ids
 
     async def _checkpoint(self) -> None:
         meta, tensors = await self._compute(self.runtime.state)
@@ -965,6 +1012,10 @@ class StageServer:
             "fast_backwards": runtime.fast_backwards,
             "recomputed_backwards": runtime.recomputed_backwards,
             "duplicates": runtime.duplicates,
+            "mode": self.cfg.optim.mode,
+            "reply_delay": self.cfg.server.reply_delay,
+            # local updates between each gradient's forward and its application -> gradients
+            "staleness": {str(k): n for k, n in sorted(runtime.staleness.items())},
             # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
             "ledger": {str(e): ids for e, ids in runtime.ledger().items()},
             "throughput": self.meter.rate,
