@@ -1,6 +1,6 @@
 """Synchronous SWARM against async SWARM (AdamW local updates) and async SWARM with NAG weight correction.
 
-    .venv/bin/python experiments/asynchrony.py [--groups warmup,delays,table] [--samples 1920]
+    .venv/bin/python experiments/asynchrony.py [--groups warmup,delays,table] [--samples 1280]
         [--modes sync,async,async-nag] [--seed 0] [--run-dir runs/asynchrony] [--plot-only]
 
 Every run is a local swarm of 4 stages x 2 servers and 2 trainers on the default corpus
@@ -135,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", default="warmup,delays,table")
     parser.add_argument("--modes", default=",".join(TRAINING_MODES))
-    parser.add_argument("--samples", type=int, default=1920, help="samples per stage in every run")
+    parser.add_argument("--samples", type=int, default=1280, help="samples per stage in every run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/asynchrony")
     parser.add_argument("--plot-only", action="store_true")

@@ -17,6 +17,7 @@ from swarm.config import (
     replace,
     to_toml,
 )
+from swarm.config.recipes import ASYNC_EXPERIMENT, TRAINING_MODES
 
 OVERRIDES = (
     "model.d_model=256",
@@ -88,6 +89,9 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (["local.link_mbit=200"], "local.link_mbit"),
         (['optim.optimizer="sgd"'], "optim.optimizer"),
         (["optim.nag_momentum=1.0"], "optim.nag_momentum"),
+        (['optim.mode="eventual"'], "optim.mode"),
+        (["server.reply_delay=-0.5"], "server.reply_delay"),
+        (["local.reply_delays=[0.5, -1]"], "local.reply_delays"),
         (["net.emulated_rtt_ms=-1"], "net.emulated_rtt_ms"),
         (["model.bottleneck=128"], "model.bottleneck"),
         (['wire.activations="zip"'], "wire.activations"),
@@ -100,6 +104,29 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
         load_config(None, overrides)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def test_training_modes_change_nothing_else_in_the_resolved_config():
+    """The asynchrony experiment's runs, sync against async against async with NAG, differ in the
+    training mode alone, with whatever settings a run adds (here those of the delay runs)."""
+    extra = ["local.reply_delays=[1.0, 0, 1.0, 0, 1.0, 0, 1.0, 0]", "optim.warmup_steps=5"]
+    resolved = {mode: _flatten(load_config(base=[ASYNC_EXPERIMENT, recipe], overrides=extra).to_dict())
+                for mode, recipe in TRAINING_MODES.items()}
+    sync = resolved.pop("sync")
+    for mode, cfg in resolved.items():
+        differing = {key for key in sync if sync[key] != cfg[key]}
+        assert differing and differing <= {"optim.mode", "optim.optimizer"}, (mode, differing)
+    assert resolved["async"]["optim.mode"] == resolved["async-nag"]["optim.mode"] == "async"
+    assert (sync["optim.optimizer"], resolved["async"]["optim.optimizer"]) == ("adamw", "adamw")
+    assert resolved["async-nag"]["optim.optimizer"] == "nag"
+    assert sync["optim.warmup_steps"] == 5 and sync["local.reply_delays"] == (1.0, 0, 1.0, 0, 1.0, 0, 1.0, 0)
 
 
 def test_missing_file_names_the_path(tmp_path):

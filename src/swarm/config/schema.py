@@ -97,17 +97,26 @@ class OptimConfig:
     optimizer: str = "adamw"
     nag_momentum: float = 0.99
     lr: float = 3e-3
+    # NAG's step size, if not `lr`: a plain gradient step (times 1 / (1 - momentum) once the velocity has
+    # built up) is on another scale than AdamW's per-coordinate one, so one lr rarely suits both
+    nag_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
     warmup_steps: int = 5  # linear warm-up, in optimizer steps
     clip_grad_norm: float = 1.0  # 0 disables clipping
     target_batch_size: int = 32  # samples of the whole stage per step (sync) or between averages (async)
 
+    @property
+    def base_lr(self) -> float:
+        """The learning rate after warm-up, for the configured optimizer."""
+        return self.nag_lr if self.optimizer == "nag" and self.nag_lr else self.lr
+
     def __post_init__(self) -> None:
         _require(self.mode in ("sync", "async"), "optim.mode", f"sync or async, got {self.mode!r}")
         _require(self.optimizer in ("adamw", "nag"), "optim.optimizer", f"adamw or nag, got {self.optimizer!r}")
         _require(0 <= self.nag_momentum < 1, "optim.nag_momentum", f"must be in [0, 1), got {self.nag_momentum}")
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
+        _require(self.nag_lr >= 0, "optim.nag_lr", f"must be >= 0 (0: optim.lr), got {self.nag_lr}")
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "need two in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.clip_grad_norm >= 0, "optim.clip_grad_norm", "must be >= 0")

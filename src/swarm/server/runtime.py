@@ -118,7 +118,8 @@ class StageRuntime:
         self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = (
-            NesterovCorrection(self.params, lr=optim.lr, momentum=optim.nag_momentum, weight_decay=optim.weight_decay)
+            NesterovCorrection(self.params, lr=optim.base_lr, momentum=optim.nag_momentum,
+                               weight_decay=optim.weight_decay)
             if optim.optimizer == "nag"
             else torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
         )
@@ -298,7 +299,7 @@ class StageRuntime:
         return norm
 
     def lr(self) -> float:
-        return warmup_lr(self.epoch, self.optim_cfg.lr, self.optim_cfg.warmup_steps)
+        return warmup_lr(self.epoch, self.optim_cfg.base_lr, self.optim_cfg.warmup_steps)
 
     def _local_update(self, samples: int) -> None:
         """Async: apply the microbatch's gradient (a sum over its samples, in `p.grad`) as its mean, now.
