@@ -11,7 +11,8 @@ group's setting only:
 - `warmup`: the recipe's warm-up (10 epochs) and half of it (5);
 - `delays`: one server of every stage delays its replies by 0.5 s, and by 1.0 s (`server.reply_delay`);
 - `table`: sync and async at averaging batch sizes (`optim.target_batch_size`) of 32, 64 and 128
-  samples: relative wall-clock improvement of async over sync (the paper's Table 1).
+  samples: relative improvement of async over sync in the wall-clock time to complete the same number
+  of microbatches (the paper's Table 1).
 
 Results go to `results.json` in the run directory (loss curves included), with `loss.png` (loss against
 epochs and against seconds, one row per setting) and `table.md`; `--plot-only` redraws from it.
@@ -122,12 +123,15 @@ def draw(results: dict, path: Path) -> None:
 
 
 def table(results: dict) -> str:
-    lines = ["| averaging batch | sync seconds | async seconds | relative wall-clock improvement |",
-             "|---|---|---|---|"]
+    """Wall-clock time to complete the same number of microbatches (as many as the shorter run of the
+    two completed), sync against async, per averaging batch size."""
+    lines = ["| averaging batch | microbatches | sync seconds | async seconds | relative wall-clock improvement |",
+             "|---|---|---|---|---|"]
     for name, rows in results.items():
         if name.startswith("batch ") and {"sync", "async"} <= rows.keys():
-            s, a = rows["sync"]["wall_seconds"], rows["async"]["wall_seconds"]
-            lines.append(f"| {name.split()[1]} | {s:.0f} | {a:.0f} | {1 - a / s:.1%} |")
+            n = min(len(rows["sync"]["curve"]), len(rows["async"]["curve"]))
+            s, a = rows["sync"]["curve"][n - 1][0], rows["async"]["curve"][n - 1][0]
+            lines.append(f"| {name.split()[1]} | {n} | {s:.1f} | {a:.1f} | {1 - a / s:.1%} |")
     return "\n".join(lines)
 
 
