@@ -1,7 +1,8 @@
 """Synchronous SWARM against async SWARM (AdamW local updates) and async SWARM with NAG weight correction.
 
     .venv/bin/python experiments/asynchrony.py [--groups warmup,delays,table] [--samples 1280]
-        [--modes sync,async,async-nag] [--seed 0] [--run-dir runs/asynchrony] [--plot-only]
+        [--modes sync,async,async-nag] [--settings "warmup 10,..."] [--seed 0] [--run-dir runs/asynchrony]
+        [--plot-only]
 
 Every run is a local swarm of 4 stages x 2 servers and 2 trainers on the default corpus
 (`swarm.config.recipes.ASYNC_EXPERIMENT`), trained on `--samples` samples per stage from the same seeds;
@@ -139,6 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", default="warmup,delays,table")
     parser.add_argument("--modes", default=",".join(TRAINING_MODES))
+    parser.add_argument("--settings", default="", help="run only these settings of the groups, e.g. 'warmup 10'")
     parser.add_argument("--samples", type=int, default=1280, help="samples per stage in every run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/asynchrony")
@@ -151,6 +153,8 @@ def main() -> None:
     if not args.plot_only:
         for group in args.groups.split(","):
             for name, extra in settings(group).items():
+                if args.settings and name not in args.settings.split(","):
+                    continue
                 # the table's batch 32 is the warm-up group's default setting: run once
                 modes = ["sync", "async"] if group == "table" else args.modes.split(",")
                 for mode in modes:

@@ -103,17 +103,21 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_server_with_another_model_config_is_refused(tmp_path):
+@pytest.mark.parametrize(("setting", "explained"), [
+    ("model.d_model=32", "d_model: 32 here, 64 there"),
+    ('optim.mode="async"', "trains in optim.mode 'sync', this one in 'async'"),
+], ids=["model", "mode"])
+def test_a_server_with_another_model_config_or_mode_is_refused(tmp_path, setting, explained):
     cfg = small_config(tmp_path)
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()
     first = swarm.add_server(0)
     try:
         swarm._wait(lambda: "up on" in first.log_path.read_text(), 90, "the first server", first)
-        odd = swarm.add_server(1, ("model.d_model=32",))
+        odd = swarm.add_server(1, (setting,))
         assert odd.process.wait(timeout=90) == 3
         text = odd.log_path.read_text()
-        assert "refused to join" in text and "d_model: 32 here, 64 there" in text
+        assert "refused to join" in text and explained in text
         assert first.alive()
     finally:
         swarm.stop()

@@ -301,6 +301,11 @@ class StageServer:
                         f"({describe_mismatch(model_fingerprint(self.cfg.model), r.model)}); "
                         "use the same model section, or another net.run_id"
                     )
+                if r.mode != self.cfg.optim.mode:  # a sync replica cannot average with an async one
+                    raise ConfigMismatch(
+                        f"server {short(r.peer_id)} of stage {r.stage} trains in optim.mode {r.mode!r}, this one "
+                        f"in {self.cfg.optim.mode!r}; use the same optim.mode, or another net.run_id"
+                    )
 
     # ---- announcements -------------------------------------------------------------------------
 
@@ -318,6 +323,7 @@ class StageServer:
             tenure=time.monotonic() - self._stage_since,
             moving=self._moving_to is not None,
             name=self.cfg.server.name,
+            mode=self.cfg.optim.mode,
         )
 
     async def _announce(self) -> None:

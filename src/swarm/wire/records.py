@@ -69,6 +69,7 @@ class ServerRecord(_Record):
     tenure: float = 0.0  # seconds this server has served this stage (rebalancing waits for settled ones)
     moving: bool = False  # finishing its work here before it moves to another stage: route new work elsewhere
     name: str = ""  # the operator's label for the server, if any
+    mode: str = "sync"  # optim.mode: how its stage's replicas learn together (one mode per run)
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> ServerRecord:
