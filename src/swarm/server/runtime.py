@@ -92,7 +92,6 @@ class StepRecord:
 class AverageRound:
     """What an async replica brings to an averaging round, taken at one instant of its weights."""
 
-    epoch: int
     snapshot: torch.Tensor  # the averaged tensors then, flat
     contribution: torch.Tensor  # (snapshot - anchor) * samples: its progress, weighted by its share
     samples: int
@@ -261,9 +260,10 @@ class StageRuntime:
             self.fast_backwards += len(fresh)
             samples = 0
             for r in fresh:
-                samples += graph.rows[r].stop - graph.rows[r].start
-                self._hold(r, graph.rows[r].stop - graph.rows[r].start, graph.version)
-                results[r] = None if self.is_first else graph.inputs.grad[graph.rows[r]].cpu()
+                rows = graph.rows[r]
+                samples += rows.stop - rows.start
+                self._hold(r, rows.stop - rows.start, graph.version)
+                results[r] = None if self.is_first else graph.inputs.grad[rows].cpu()
             if graph.stash is not None:  # the gradient at the stashed weights, applied to the live ones
                 for p, name in zip(self.params, self.param_names, strict=True):
                     p.grad = graph.stash[name].grad
@@ -362,7 +362,7 @@ class StageRuntime:
         """This replica's part of an averaging round, as its weights stand now (it goes on updating)."""
         snapshot = self._flat_averaged()
         samples = self.pending_samples
-        return AverageRound(self.epoch, snapshot, (snapshot - self.anchor) * samples, samples,
+        return AverageRound(snapshot, (snapshot - self.anchor) * samples, samples,
                             sorted(self.pending), self._generation)
 
     def finish_average(

@@ -419,8 +419,12 @@ class StageServer:
             elapsed = time.perf_counter() - start
             self.busy_seconds += elapsed
             if work is not None:
-                done, seconds = self._window.get(work, (0, 0.0))
-                self._window[work] = (done + samples, seconds + (self._cost if self._cost_by_cpu else elapsed))
+                self._count_work(work, samples, self._cost if self._cost_by_cpu else elapsed)
+
+    def _count_work(self, work: str, samples: int, seconds: float) -> None:
+        """Add to the current throughput window of one pass ("forward" or "backward")."""
+        done, spent = self._window.get(work, (0, 0.0))
+        self._window[work] = (done + samples, spent + seconds)
 
     def _slowed(self, fn, *args):
         """Run `fn`, then idle `server.slowdown - 1` times its CPU time: a slower machine, to the swarm.
@@ -584,8 +588,7 @@ class StageServer:
         announced throughput (and with it the share of work stochastic wiring sends here) falls."""
         delay = self.cfg.server.reply_delay
         if delay:
-            done, seconds = self._window.get(work, (0, 0.0))
-            self._window[work] = (done, seconds + delay)
+            self._count_work(work, 0, delay)
             await asyncio.sleep(delay)
 
     async def _batched_backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
