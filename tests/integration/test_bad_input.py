@@ -99,7 +99,10 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
     assert len(errors) == len(cases)
     assert not tracebacks(tmp_path)
     logged = sum(log.read_text().count(" refused: ") for log in (tmp_path / "logs").glob("server-*.log"))
-    assert logged == len(cases)  # one line per refused request
+    # one line per refused request; a payload over the limit is refused before all of it has arrived, so
+    # its caller may see the stream break instead of the answer, and the transport sends it once more
+    oversize = sum(expected == "exceeds the limit" for *_, expected in cases)
+    assert len(cases) <= logged <= len(cases) + oversize
 
 
 @pytest.mark.timeout(120)

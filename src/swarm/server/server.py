@@ -178,7 +178,6 @@ class StageServer:
             loop.add_signal_handler(sig, self.stop.set)
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self._gate = asyncio.Lock()
-        self._round_lock = asyncio.Lock()  # held for a whole step or averaging round
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._moved = asyncio.Event()
         self._cost = 0.0  # what the compute thread's last job cost (see _slowed)
@@ -274,7 +273,9 @@ class StageServer:
         announcer, stepper, batcher, *others = tasks
         for task in (announcer, *others):
             task.cancel()
-        async with self._round_lock, self._gate:  # a round in progress finishes for the whole stage first
+        # a sync round holds the gate, so it finishes for the whole stage first; an async round's exchange
+        # (run without the gate) is called off, and its other replicas retry without this one
+        async with self._gate:
             stepper.cancel()
         await asyncio.gather(announcer, stepper, *others, return_exceptions=True)
         await self.directory.withdraw_server(self._record())
@@ -879,9 +880,8 @@ class StageServer:
         return bool(trainers) and all(t.done for t in trainers)
 
     async def _step_round(self, epoch: int, group: tuple[str, ...]) -> None:
-        async with self._round_lock:
-            average = self._average_round if self.runtime.asynchronous else self._sync_round
-            record = await average(epoch, group)
+        average = self._average_round if self.runtime.asynchronous else self._sync_round
+        record = await average(epoch, group)
         if record is None:
             return
         self.steps.append(record)
