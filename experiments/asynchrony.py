@@ -2,7 +2,7 @@
 
     .venv/bin/python experiments/asynchrony.py [--groups warmup,delays,table] [--samples 1280]
         [--modes sync,async,async-nag] [--settings "warmup 10,..."] [--seed 0] [--run-dir runs/asynchrony]
-        [--plot-only]
+        [--set KEY=VALUE ...] [--plot-only]
 
 Every run is a local swarm of 4 stages x 2 servers and 2 trainers on the default corpus
 (`swarm.config.recipes.ASYNC_EXPERIMENT`), trained on `--samples` samples per stage from the same seeds;
@@ -57,7 +57,7 @@ def settings(group: str) -> dict[str, list[str]]:
 
 def run(mode: str, extra: list[str], args: argparse.Namespace, run_dir: Path) -> dict:
     recipes = [ASYNC_EXPERIMENT, TRAINING_MODES[mode]]
-    overrides = [f'run_dir="{run_dir}"', f"data.seed={args.seed}", f"model.init_seed={args.seed}", *extra]
+    overrides = [f'run_dir="{run_dir}"', f"data.seed={args.seed}", f"model.init_seed={args.seed}", *extra, *args.set]
     batch = load_config(base=recipes, overrides=overrides).optim.target_batch_size
     cfg = load_config(base=recipes, overrides=[*overrides, f"trainer.target_steps={args.samples // batch}"])
     run_local(cfg, progress=False)
@@ -144,6 +144,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1280, help="samples per stage in every run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="runs/asynchrony")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (e.g. to calibrate optim.nag_lr)")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     out = Path(args.run_dir)

@@ -129,6 +129,20 @@ def test_training_modes_change_nothing_else_in_the_resolved_config():
     assert sync["optim.warmup_steps"] == 5 and sync["local.reply_delays"] == (1.0, 0, 1.0, 0, 1.0, 0, 1.0, 0)
 
 
+def test_nag_step_size_defaults_to_adamw_s_per_coordinate_step():
+    """Normalized NAG sums about 1 / (1 - momentum) steps once its velocity has built up, so by default
+    it steps lr * (1 - momentum); the raw-gradient form takes lr as it is; an explicit nag_lr wins."""
+    def base_lr(*overrides: str) -> float:
+        return load_config(None, ["optim.lr=1e-3", *overrides]).optim.base_lr
+
+    assert base_lr() == 1e-3  # AdamW
+    assert base_lr('optim.optimizer="nag"') == pytest.approx(1e-3 * (1 - 0.99))
+    assert base_lr('optim.optimizer="nag"', "optim.nag_momentum=0.9") == pytest.approx(1e-4)
+    assert base_lr('optim.optimizer="nag"', "optim.nag_normalize=false") == 1e-3
+    assert base_lr('optim.optimizer="nag"', "optim.nag_lr=3e-5") == 3e-5
+    assert base_lr("optim.nag_lr=3e-5") == 1e-3  # nag_lr is NAG's only
+
+
 def test_missing_file_names_the_path(tmp_path):
     missing = tmp_path / "nope.toml"
     with pytest.raises(ConfigError, match="nope.toml"):

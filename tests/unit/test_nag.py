@@ -3,6 +3,8 @@ out by hand from d_t = gamma (w_t - w_{t-1}), w_{t+1} = w_t + d_t - lr grad f(w_
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -58,3 +60,32 @@ def test_without_momentum_it_is_plain_gradient_descent() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="momentum"):
         NesterovCorrection([torch.nn.Parameter(torch.ones(1))], lr=0.1, momentum=1.0)
+
+
+def test_normalized_steps_follow_the_formula_on_the_rms_scaled_gradient() -> None:
+    # rms_beta 0.5, eps 0. Step 1: served 1.0, grad 2.0, mean square (0.5 * 4) / (1 - 0.5) = 4 -> scaled
+    # grad 1 -> w1 = 1 - 0.1 = 0.9, d1 = 0.5 (0.9 - 1) = -0.05, served 0.85.
+    # Step 2: grad 1.7, running square 0.5 * 2 + 0.5 * 2.89 = 2.445, bias-corrected / (1 - 0.25) = 3.26
+    # -> scaled grad 1.7 / sqrt(3.26) -> w2 = 0.85 - 0.1 * that, served w2 + 0.5 (w2 - 0.9)
+    p = torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64))
+    opt = NesterovCorrection([p], lr=LR, momentum=GAMMA, rms_beta=0.5, eps=0.0)
+    _step(p, opt)
+    assert opt.state[p]["base"].item() == pytest.approx(0.9, abs=1e-12)
+    assert p.item() == pytest.approx(0.85, abs=1e-12)
+    _step(p, opt)
+    w2 = 0.85 - LR * 1.7 / math.sqrt(3.26)
+    assert opt.state[p]["base"].item() == pytest.approx(w2, abs=1e-12)
+    assert p.item() == pytest.approx(w2 + GAMMA * (w2 - 0.9), abs=1e-12)
+
+
+def test_normalized_steps_do_not_depend_on_the_scale_of_the_gradients() -> None:
+    # two coordinates on curvatures 1000x apart move by the same steps when both start at 1: the
+    # normalization is what lets one lr suit a model's differently scaled weights
+    small, large = (torch.nn.Parameter(torch.tensor([1.0], dtype=torch.float64)) for _ in range(2))
+    opt = NesterovCorrection([small, large], lr=0.01, momentum=0.9, rms_beta=0.95, eps=0.0)
+    for _ in range(5):
+        small.grad = 0.001 * small.detach().clone()
+        large.grad = 1.0 * large.detach().clone()
+        opt.step()
+        assert small.item() == pytest.approx(large.item(), abs=1e-12)
+    assert small.item() < 0.9  # and they did move

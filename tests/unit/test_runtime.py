@@ -357,13 +357,13 @@ def train_steps(rt: StageRuntime, seeds: list[int]) -> None:
         rt.apply_step(rt.flat_grad() / samples, samples, group=1)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "nag"])
+@pytest.mark.parametrize("optimizer", ["adamw", "nag", "nag-raw"])
 def test_loaded_state_reproduces_the_next_step_bit_for_bit(optimizer: str) -> None:
     """A newcomer that loads a replica's state (sent over the wire framing) holds the same bits, and
     the same next step keeps both identical: optimizer moments (NAG: the weights behind the look-ahead
-    point) and step count travel too."""
+    point, and the mean squares it normalizes by) and step count travel too."""
     stage = load_stages(tiny_cfg())[1]
-    optim = dataclasses.replace(OPTIM, optimizer=optimizer)
+    optim = dataclasses.replace(OPTIM, optimizer=optimizer.removesuffix("-raw"), nag_normalize=optimizer != "nag-raw")
     source = runtime(stage, optim)
     train_steps(source, [40, 41])
     newcomer = runtime(stage, optim)

@@ -26,7 +26,7 @@ TRAINING_MODES: dict[str, dict[str, Any]] = {
 # 8 stages), 2 trainers, on one 2-core machine; every run of it adds a training mode and its settings.
 ASYNC_EXPERIMENT: dict[str, Any] = {
     "model": {"d_model": 128, "n_heads": 4, "d_ff": 512, "n_layers": 4, "seq_len": 128, "num_stages": 4},
-    "optim": {"lr": 1e-3, "nag_lr": 1e-2, "warmup_steps": 10, "target_batch_size": 32},
+    "optim": {"lr": 1e-3, "nag_lr": 3e-5, "warmup_steps": 10, "target_batch_size": 32},
     "trainer": {"microbatch_size": 4, "max_inflight": 4, "min_request_timeout": 10.0},
     "rebalance": {"enabled": False},  # two servers per stage throughout, delayed ones included
     "local": {"servers_per_stage": 2, "trainers": 2, "threads_per_peer": 1, "timeout": 900.0},

@@ -96,9 +96,13 @@ class OptimConfig:
     # the look-ahead point w + momentum * (w - w_prev); see swarm.server.nag)
     optimizer: str = "adamw"
     nag_momentum: float = 0.99
+    # NAG on RMS-normalized gradients: each coordinate divided by the root of its running mean square
+    # (beta = betas[1]), so NAG steps on AdamW's per-coordinate scale (see swarm.server.nag); false: the
+    # paper's formula on the raw gradient, whose steps are on the gradients' scale
+    nag_normalize: bool = True
     lr: float = 3e-3
-    # NAG's step size, if not `lr`: a plain gradient step (times 1 / (1 - momentum) once the velocity has
-    # built up) is on another scale than AdamW's per-coordinate one, so one lr rarely suits both
+    # NAG's step size. 0: normalized, lr * (1 - nag_momentum), which makes the same per-coordinate step
+    # as AdamW at `lr` once the velocity has built up (it sums 1 / (1 - momentum) steps); raw, `lr`
     nag_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
@@ -109,7 +113,11 @@ class OptimConfig:
     @property
     def base_lr(self) -> float:
         """The learning rate after warm-up, for the configured optimizer."""
-        return self.nag_lr if self.optimizer == "nag" and self.nag_lr else self.lr
+        if self.optimizer != "nag":
+            return self.lr
+        if self.nag_lr:
+            return self.nag_lr
+        return self.lr * (1 - self.nag_momentum) if self.nag_normalize else self.lr
 
     def __post_init__(self) -> None:
         _require(self.mode in ("sync", "async"), "optim.mode", f"sync or async, got {self.mode!r}")

@@ -116,9 +116,10 @@ class StageRuntime:
         self.asynchronous = optim.mode == "async"
         self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        rms_beta = optim.betas[1] if optim.nag_normalize else None
         self.optimizer = (
             NesterovCorrection(self.params, lr=optim.base_lr, momentum=optim.nag_momentum,
-                               weight_decay=optim.weight_decay)
+                               weight_decay=optim.weight_decay, rms_beta=rms_beta)
             if optim.optimizer == "nag"
             else torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
         )
