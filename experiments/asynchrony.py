@@ -89,8 +89,26 @@ def final_loss(curve: list) -> float:
     return smoothed(curve)[-1][2]
 
 
+def by_epoch(curve: list) -> dict[int, float]:
+    """The smoothed loss averaged over each epoch of the last stage."""
+    epochs: dict[int, list[float]] = {}
+    for _, epoch, value in smoothed(curve):
+        epochs.setdefault(int(epoch), []).append(value)
+    return {e: statistics.fmean(v) for e, v in epochs.items()}
+
+
+def against(curve: list, reference: list) -> dict[str, float]:
+    """How a run's loss stays against a reference run's over the epochs both reached: the share of
+    them where it is at or below the reference, and the mean and largest excess over it."""
+    mine, ref = by_epoch(curve), by_epoch(reference)
+    excess = [mine[e] - ref[e] for e in sorted(mine.keys() & ref.keys())]
+    return {"share_at_or_below": sum(x <= 0 for x in excess) / len(excess),
+            "mean_excess": statistics.fmean(excess), "max_excess": max(excess)}
+
+
 def compare(rows: dict[str, dict]) -> dict[str, dict]:
-    """Per mode: final loss, and the time to reach sync's final loss relative to sync's own time."""
+    """Per mode: final loss, the time to reach sync's final loss relative to sync's own time, and
+    (modes other than async) how its loss stays against plain async's, epoch by epoch."""
     sync = rows.get("sync")
     target = final_loss(sync["curve"]) if sync else None
     sync_time = time_to(sync["curve"], target) if sync else None
@@ -102,6 +120,8 @@ def compare(rows: dict[str, dict]) -> dict[str, dict]:
                      "saving": 1 - reach / sync_time if reach is not None and sync_time else None,
                      "staleness_mean": r["staleness"]["all"].get("mean"),
                      "staleness_p90": r["staleness"]["all"].get("p90")}
+        if mode not in ("sync", "async") and "async" in rows:
+            out[mode]["vs_async"] = against(r["curve"], rows["async"]["curve"])
     return out
 
 
@@ -174,8 +194,10 @@ def main() -> None:
     for name, rows in summary.items():
         for mode, r in rows.items():
             saving = f"{r['saving']:.1%}" if r["saving"] is not None else "never"
+            vs = r.get("vs_async")
+            stays = f"  at or below async in {vs['share_at_or_below']:.0%} of epochs" if vs else ""
             print(f"{name:12s} {mode:10s} final loss {r['final_loss']:.3f}  wall {r['wall_seconds']:.0f}s  "
-                  f"reaches sync's final loss: {saving} sooner  staleness mean {r['staleness_mean']}")
+                  f"reaches sync's final loss: {saving} sooner  staleness mean {r['staleness_mean']:.2f}{stays}")
     print(table(results))
 
 
