@@ -101,8 +101,8 @@ class OptimConfig:
     # paper's formula on the raw gradient, whose steps are on the gradients' scale
     nag_normalize: bool = True
     lr: float = 3e-3
-    # NAG's step size. 0: normalized, lr * (1 - nag_momentum), which makes the same per-coordinate step
-    # as AdamW at `lr` once the velocity has built up (it sums 1 / (1 - momentum) steps); raw, `lr`
+    # NAG's step size; 0 means lr * (1 - nag_momentum) when normalized (the per-coordinate step AdamW
+    # takes at `lr`, once the velocity sums its 1 / (1 - momentum) steps), `lr` on raw gradients
     nag_lr: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.01
