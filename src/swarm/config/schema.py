@@ -124,7 +124,7 @@ class OptimConfig:
         _require(self.optimizer in ("adamw", "nag"), "optim.optimizer", f"adamw or nag, got {self.optimizer!r}")
         _require(0 <= self.nag_momentum < 1, "optim.nag_momentum", f"must be in [0, 1), got {self.nag_momentum}")
         _require(self.lr > 0, "optim.lr", f"must be positive, got {self.lr}")
-        _require(self.nag_lr >= 0, "optim.nag_lr", f"must be >= 0 (0: optim.lr), got {self.nag_lr}")
+        _require(self.nag_lr >= 0, "optim.nag_lr", f"must be >= 0 (0: the default), got {self.nag_lr}")
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas", "need two in [0, 1)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(self.clip_grad_norm >= 0, "optim.clip_grad_norm", "must be >= 0")
