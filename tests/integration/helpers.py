@@ -47,7 +47,7 @@ def fetch_stage_states(cfg: SwarmConfig, initial_peers: tuple[str, ...], stage: 
             states = {}
             for r in records:
                 meta, tensors = await client.call(
-                    r.peer_id, "state", {"stage": stage, "config": config_hash(cfg.model)}, [], 30.0
+                    r.peer_id, "state", {"stage": stage, "config": config_hash(cfg)}, [], 30.0
                 )
                 states[r.peer_id] = tensors[: len(meta["names"])]
             return states

@@ -32,7 +32,7 @@ async def _wait_for_stages(directory: Directory, num_stages: int, timeout: float
 @pytest.mark.timeout(180)
 def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
     cfg = small_config(tmp_path, "net.max_payload_mb=0.1", "server.max_request_samples=8")
-    seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg.model)
+    seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg)
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()
     for stage in range(cfg.model.num_stages):
@@ -107,10 +107,12 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("setting", "explained"), [
-    ("model.d_model=32", "d_model: 32 here, 64 there"),
-    ('optim.mode="async"', "trains in optim.mode 'sync', this one in 'async'"),
-], ids=["model", "mode"])
-def test_a_server_with_another_model_config_or_mode_is_refused(tmp_path, setting, explained):
+    ("model.d_model=32", "model.d_model: 32 here, 64 there"),
+    ('optim.mode="async"', "optim.mode: 'async' here, 'sync' there"),
+    ("optim.lr=0.01", "optim.lr: 0.01 here, 0.003 there"),
+    ("optim.target_batch_size=32", "optim.target_batch_size: 32 here, 16 there"),
+], ids=["model", "mode", "lr", "batch"])
+def test_a_server_with_other_agreed_settings_is_refused(tmp_path, setting, explained):
     cfg = small_config(tmp_path)
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()

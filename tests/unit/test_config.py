@@ -9,15 +9,17 @@ import pytest
 from swarm.config import (
     ConfigError,
     ModelConfig,
+    OptimConfig,
     SwarmConfig,
+    agreed,
     config_hash,
     describe_mismatch,
     load_config,
-    model_fingerprint,
     replace,
     to_toml,
 )
 from swarm.config.recipes import ASYNC_EXPERIMENT, TRAINING_MODES
+from swarm.wire import PROTOCOL_VERSION
 
 OVERRIDES = (
     "model.d_model=256",
@@ -167,11 +169,13 @@ def test_replace_revalidates():
         replace(cfg, model={"d_model": 65})
 
 
-def test_config_hash_stable_and_sensitive_to_every_model_field():
-    base = ModelConfig()
-    assert config_hash(base) == config_hash(ModelConfig())
-    assert config_hash(base) == config_hash(load_config().model)
-    changed = {
+def test_config_hash_stable_and_sensitive_to_every_agreed_field():
+    """Every model and optim field, and the protocol version, changes the hash; settings that may differ
+    between peers (codecs, devices, the peer's own address) do not."""
+    base = SwarmConfig()
+    assert config_hash(base) == config_hash(SwarmConfig())
+    assert config_hash(base) == config_hash(load_config())
+    changed_model = {
         "spec": "other.module:build",
         "vocab_size": 300,
         "d_model": 256,
@@ -183,20 +187,34 @@ def test_config_hash_stable_and_sensitive_to_every_model_field():
         "share_weights": True,
         "bottleneck": 32,
         "dropout": 0.1,
-        "init_seed": 1,
+        "init_seed": 7,
     }
-    assert set(changed) == {f.name for f in dataclasses.fields(ModelConfig)}
-    for name, value in changed.items():
-        assert config_hash(dataclasses.replace(base, **{name: value})) != config_hash(base), name
+    assert set(changed_model) == {f.name for f in dataclasses.fields(ModelConfig)}
+    for name, value in changed_model.items():
+        assert config_hash(replace(base, model={name: value})) != config_hash(base), name
+    changed_optim = {
+        "mode": "async", "optimizer": "nag", "nag_momentum": 0.9, "nag_normalize": False, "lr": 1e-3,
+        "nag_lr": 1e-4, "betas": (0.8, 0.9), "weight_decay": 0.1, "warmup_steps": 9, "clip_grad_norm": 2.0,
+        "target_batch_size": 64,
+    }
+    assert set(changed_optim) == {f.name for f in dataclasses.fields(OptimConfig)}
+    for name, value in changed_optim.items():
+        assert config_hash(replace(base, optim={name: value})) != config_hash(base), name
+    for section, values in (("wire", {"activations": "fp16"}), ("server", {"device": "cuda"}),
+                            ("net", {"port": 31337, "host": "127.0.0.1"}), ("trainer", {"max_inflight": 9})):
+        assert config_hash(replace(base, **{section: values})) == config_hash(base), section
+    assert agreed(base)["protocol"] == PROTOCOL_VERSION
 
 
 def test_describe_mismatch_lists_differing_fields():
-    mine = model_fingerprint(ModelConfig())
-    theirs = model_fingerprint(ModelConfig(d_model=256, n_layers=8))
+    mine = agreed(SwarmConfig())
+    theirs = agreed(replace(SwarmConfig(), model={"d_model": 256, "n_layers": 8}, optim={"lr": 0.01}))
     message = describe_mismatch(mine, theirs)
-    assert "d_model: 128 here, 256 there" in message
-    assert "n_layers: 6 here, 8 there" in message
+    assert "model.d_model: 128 here, 256 there" in message
+    assert "model.n_layers: 6 here, 8 there" in message
+    assert "optim.lr: 0.003 here, 0.01 there" in message
     assert "n_heads" not in message
+    assert describe_mismatch(mine, {**mine, "protocol": 1}) == f"protocol: {PROTOCOL_VERSION} here, 1 there"
     assert describe_mismatch(mine, mine) == "no field differs"
 
 

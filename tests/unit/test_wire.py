@@ -38,7 +38,8 @@ def trainer_record(**overrides: Any) -> TrainerRecord:
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, {"gone": True}, {"capacity": 9.5, "tenure": 31.0, "moving": True, "name": "gpu-a", "mode": "async"}]
+    "extra", [{}, {"gone": True}, {"capacity": 9.5, "tenure": 31.0, "moving": True, "name": "gpu-a",
+                    "optim": {"mode": "async", "lr": 0.01}, "protocol": 2}]
 )
 def test_server_record_round_trip(extra: dict[str, Any]) -> None:
     """to_value drops the peer id (it is the DHT subkey) and from_value restores an equal record."""

@@ -20,7 +20,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value, e.g. --set model.d_model=256 (repeatable)",
     )
-    p.add_argument("--initial-peers", nargs="+", help="multiaddrs of any peers of the swarm (printed by `swarm dht`)")
+    p.add_argument("--initial-peers", nargs="+",
+                   help="multiaddrs of any peers of the swarm (printed by `swarm dht` and by every server)")
+    p.add_argument("--host", help="IP address to listen on (default 0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=int, help="TCP port to listen on (default: any free one)")
+    p.add_argument("--announce", nargs="+", metavar="MULTIADDR",
+                   help="addresses to announce instead, e.g. /ip4/PUBLIC_IP/tcp/PORT behind a port forward")
+    p.add_argument("--identity", metavar="FILE", help="private key file: keeps this peer's id across restarts")
     p.add_argument("--run-dir", help="where logs, summaries and plots go")
     p.add_argument("--data", help="training text: a .txt/.jsonl file or a directory of them")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -46,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("report", help="gather peers' results from their run directories into one report")
+    p.add_argument("sources", nargs="+", metavar="PEER_RUN_DIR", help="each peer's --run-dir (copied from its host)")
+    p.add_argument("--run-dir", required=True, help="where summary.json and the plots go")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p = sub.add_parser("fault", help="inject a fault into a running local swarm (see `swarm local`)")
     p.add_argument("action", choices=ACTIONS)
     p.add_argument("peer", help="the peer's name, as in RUN_DIR/peers.json (e.g. server-s1-3, trainer-0)")
@@ -69,13 +79,28 @@ def _inject(args: argparse.Namespace) -> None:
     print(f"{args.action} {args.peer}: done (logged in {args.run_dir}/faults.jsonl)")
 
 
+def _report(args: argparse.Namespace) -> None:
+    from swarm.ops.report import gather, write_report
+
+    out = Path(args.run_dir)
+    gather([Path(d) for d in args.sources], out)
+    summary = write_report(out)
+    print(f"{summary['samples_completed']} samples, loss {summary['first_loss']} -> {summary['final_loss']}; "
+          f"see {out}/summary.json, loss.png, throughput.png")
+
+
 def _config(args: argparse.Namespace) -> SwarmConfig:
     overrides = list(args.overrides)
     if getattr(args, "stage", None) == "auto":
         overrides.append("server.auto_stage=true")
         args.stage = None
+    addresses = lambda v: "[" + ",".join(f'"{a}"' for a in v) + "]"  # noqa: E731
     flags = {
-        "initial_peers": ("net.initial_peers", lambda v: "[" + ",".join(f'"{a}"' for a in v) + "]"),
+        "initial_peers": ("net.initial_peers", addresses),
+        "host": ("net.host", lambda v: f'"{v}"'),
+        "port": ("net.port", str),
+        "announce": ("net.announce_addrs", addresses),
+        "identity": ("net.identity_path", lambda v: f'"{v}"'),
         "run_dir": ("run_dir", lambda v: f'"{v}"'),
         "data": ("data.path", lambda v: f'"{v}"'),
         "stage": ("server.stage", str),
@@ -93,19 +118,24 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
 
 
 def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
-    from swarm.net.node import start_dht, visible_addresses
+    from swarm.net.join import JoinServicer
+    from swarm.net.node import check_join, start_dht, visible_addresses
 
     dht = start_dht(cfg.net)
-    addrs = visible_addresses(dht)
-    print("Bootstrap peer is up. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)
-    if addr_file:
-        Path(addr_file).write_text("\n".join(addrs) + "\n")
     stop = asyncio.Event()
 
     async def wait() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        p2p = await dht.replicate_p2p()
+        await check_join(dht, cfg.net, serving=False)
+        await JoinServicer(p2p).add_p2p_handlers(p2p)  # newcomers greet it: clock and dial-back checks
+        addrs = visible_addresses(dht)
+        kept = f" (peer id kept in {cfg.net.identity_path})" if cfg.net.identity_path else ""
+        print(f"Bootstrap peer is up{kept}. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)
+        if addr_file:
+            Path(addr_file).write_text("\n".join(addrs) + "\n")
         await stop.wait()
 
     try:
@@ -126,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "fault":
             _inject(args)
+            return 0
+        if args.command == "report":
+            _report(args)
             return 0
         cfg = _config(args)
         if args.command == "dht":
@@ -150,14 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError) as e:  # a fault the CLI could not inject (no such peer, no namespace)
-        if args.command != "fault":
-            raise
-        print(f"swarm fault: {e}", file=sys.stderr)
-        return 2
-    except ConnectionError as e:
+    except ConnectionError as e:  # before OSError, which it is a kind of
         print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
         return 4
+    except (ValueError, OSError) as e:  # a fault the CLI could not inject, results it could not find
+        if args.command not in ("fault", "report"):
+            raise
+        print(f"swarm {args.command}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,18 +1,22 @@
 """Typed configuration for every role of a swarm.
 
 Every value a peer needs lives in one frozen dataclass tree so that a run is fully described by one
-file plus a few CLI overrides, and so that peers can compare the part that must agree (the model) by
-hash. Each section validates itself on construction: a bad value fails at start with the field named.
+file plus a few CLI overrides, and so that peers can compare the part that must agree (`agreed`: the
+model, the optimizer, the protocol) by hash. Each section validates itself on construction: a bad value
+fails at start with the field named.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from swarm.wire import PROTOCOL_VERSION
 from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, Policy
 
 
@@ -21,7 +25,11 @@ class ConfigError(ValueError):
 
 
 class ConfigMismatch(ConfigError):
-    """Another peer of the same run uses a different model config."""
+    """Another peer of the same run uses other settings where all must agree (see `agreed`)."""
+
+
+# /ip4/ADDR/tcp/PORT, /ip6/..., /dns/NAME/tcp/PORT; the port captured
+_MADDR = re.compile(r"/(?:ip4|ip6|dns|dns4|dns6)/[^/]+/tcp/(\d+)(?:/.*)?")
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -136,9 +144,22 @@ class NetConfig:
     """How a peer reaches the swarm."""
 
     run_id: str = "swarm"  # namespaces every DHT key, so several runs can share one DHT
-    initial_peers: tuple[str, ...] = ()  # multiaddrs printed by `swarm dht`
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 picks a free port
+    initial_peers: tuple[str, ...] = ()  # multiaddrs printed by `swarm dht` or by any server
+    # the address this peer listens on: all interfaces by default, so peers on other hosts can connect;
+    # 127.0.0.1 keeps a peer reachable from its own host only
+    host: str = "0.0.0.0"
+    port: int = 0  # TCP port to listen on; 0 picks a free one (give `swarm dht` a fixed one)
+    # multiaddrs to announce instead of the listening ones, e.g. "/ip4/PUBLIC_IP/tcp/PORT" for a host behind a
+    # port forward; each with an explicit port
+    announce_addrs: tuple[str, ...] = ()
+    # a private key file that keeps this peer's id across restarts (created on first use), so that the
+    # --initial-peers others were given stay valid; empty: a new id every start
+    identity_path: str = ""
+    use_relay: bool = True  # libp2p circuit relays: reach peers behind NATs through them (hivemind's default)
+    use_auto_relay: bool = False  # look for relays to be reachable through from behind a NAT (DHT traffic only)
+    # seconds this peer's wall clock may differ from the swarm's before it refuses to join: DHT records
+    # expire on their writer's clock (see swarm.core.joining)
+    max_clock_offset: float = 2.0
     announce_period: float = 1.0  # seconds between DHT announcements
     record_ttl: float = 6.0  # seconds an announcement lives unless renewed
     max_payload_mb: float = 64.0  # requests larger than this are refused
@@ -160,6 +181,21 @@ class NetConfig:
         )
         _require(self.max_payload_mb > 0, "net.max_payload_mb", "must be positive")
         _require(0 <= self.port < 65536, "net.port", f"must be a port number, got {self.port}")
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            raise ConfigError(f"net.host: must be an IP address to listen on (0.0.0.0: all), got {self.host!r}") \
+                from None
+        for addr in self.announce_addrs:
+            port = _MADDR.fullmatch(addr)
+            _require(port is not None and 0 < int(port.group(1)) < 65536, "net.announce_addrs",
+                     f"need multiaddrs like /ip4/203.0.113.7/tcp/31337 with an explicit port, got {addr!r}")
+        _require(
+            0 < self.max_clock_offset < self.record_ttl - self.announce_period,
+            "net.max_clock_offset",
+            f"must be in (0, net.record_ttl - net.announce_period = {self.record_ttl - self.announce_period}): "
+            f"a record from a clock further behind expires before its renewal, got {self.max_clock_offset}",
+        )
         _require(self.emulated_rtt_ms >= 0, "net.emulated_rtt_ms", f"must be >= 0, got {self.emulated_rtt_ms}")
 
 
@@ -359,19 +395,43 @@ class SwarmConfig:
         return dataclasses.asdict(self)
 
 
+def _plain(section: Any) -> dict[str, Any]:
+    """A config section as plain JSON types (tuples become lists), as peers exchange it."""
+    return json.loads(json.dumps(dataclasses.asdict(section)))
+
+
 def model_fingerprint(model: ModelConfig) -> dict[str, Any]:
     """The model fields as plain JSON types: what peers exchange to find what differs."""
-    return json.loads(json.dumps(dataclasses.asdict(model)))
+    return _plain(model)
 
 
-def config_hash(model: ModelConfig) -> str:
-    """Short stable digest of the model config; peers with different digests must not work together."""
-    blob = json.dumps(model_fingerprint(model), sort_keys=True).encode()
+def agreed(cfg: SwarmConfig) -> dict[str, Any]:
+    """Everything the peers of one run must share: the model, the optimizer and its schedule (step
+    sizes, batch, mode), and the version of the protocol. Codecs, devices and timeouts may differ
+    between peers by design (every tensor says how it is packed)."""
+    return {"model": model_fingerprint(cfg.model), "optim": _plain(cfg.optim), "protocol": PROTOCOL_VERSION}
+
+
+def config_hash(cfg: SwarmConfig) -> str:
+    """Short stable digest of `agreed(cfg)`; peers with different digests must not work together."""
+    blob = json.dumps(agreed(cfg), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
-    """Human-readable list of differing model fields, e.g. "d_model: 128 here, 256 there"."""
+    """Human-readable list of differing fields, e.g. "model.d_model: 128 here, 256 there" (sections are
+    flattened into dotted names)."""
+    mine, theirs = _flat(mine), _flat(theirs)
     keys = sorted(set(mine) | set(theirs))
     diffs = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there" for k in keys if mine.get(k) != theirs.get(k)]
     return "; ".join(diffs) if diffs else "no field differs"

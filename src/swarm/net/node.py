@@ -1,23 +1,43 @@
-"""Starting this process's DHT peer, the one entry point every role uses to join a swarm."""
+"""Starting this process's DHT peer, the one entry point every role uses to join a swarm, and the
+checks a newcomer makes against the peers it joined through (clock, reachability)."""
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetConfig
+from swarm.core.joining import judge_clock, judge_reachability
+from swarm.net.join import greet, peer_ids
+
+log = logging.getLogger(__name__)
 
 
 class JoinError(ConnectionError):
-    """This peer could not join the swarm (no initial peer answered, or the port is taken)."""
+    """This peer could not join the swarm (no initial peer answered, the port is taken, the swarm
+    cannot reach it, or its clock is too far off)."""
+
+
+def listen_address(net: NetConfig) -> str:
+    version = ipaddress.ip_address(net.host).version
+    return f"/ip{version}/{net.host}/tcp/{net.port}"
 
 
 def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
-    """A running DHT peer. Client-mode peers (trainers behind NAT) reach others but are not reachable."""
+    """A running DHT peer. Client-mode peers (trainers, `swarm status`) reach others but are not
+    reachable, which is what lets them work from behind a NAT."""
     try:
         return hivemind.DHT(
             initial_peers=list(net.initial_peers),
-            host_maddrs=[f"/ip4/{net.host}/tcp/{net.port}"],
+            host_maddrs=[listen_address(net)],
+            announce_maddrs=list(net.announce_addrs) or None,
+            identity_path=net.identity_path or None,
+            use_relay=net.use_relay,
+            use_auto_relay=net.use_auto_relay,
             client_mode=client_mode,
             start=True,
         )
@@ -27,4 +47,54 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
 
 
 def visible_addresses(dht: hivemind.DHT) -> list[str]:
-    return [str(a) for a in dht.get_visible_maddrs()]
+    """The addresses other hosts can join this peer through: loopback ones only when there are no
+    others (a peer that listens on 127.0.0.1 alone is reachable from its own host only)."""
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
+    outside = [a for a in addrs if not _loopback(a)]
+    return outside or addrs
+
+
+def _loopback(addr: str) -> bool:
+    for proto in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(Multiaddr(addr).value_for_protocol(proto)).is_loopback
+        except LookupError:
+            continue
+    return False
+
+
+async def check_join(dht: hivemind.DHT, net: NetConfig, serving: bool) -> None:
+    """Greet the initial peers: compare clocks (warn, or refuse past `net.max_clock_offset`) and, for a
+    peer that others must connect to (`serving`), have them dial back; refuse one nobody can reach.
+
+    A swarm's first peer has no one to greet, and peers that do not answer (down, or an older
+    version) are left out: with no answer at all the checks are skipped with a warning."""
+    peers = [p for p in peer_ids(net.initial_peers) if p != dht.peer_id.to_base58()]
+    if not peers:
+        return
+    addrs = visible_addresses(dht)
+    ports = sorted({int(Multiaddr(a).value_for_protocol("tcp")) for a in addrs if "/tcp/" in a})
+    greetings = await greet(await dht.replicate_p2p(), peers, ports if serving else [])
+    if not greetings:
+        log.warning("none of the initial peers answered a greeting: clock and reachability not checked")
+        return
+    clock = judge_clock([g.clock for g in greetings], net.max_clock_offset)
+    if clock.verdict == "refuse":
+        raise JoinError(f"{clock.describe()}, more than net.max_clock_offset={net.max_clock_offset}s: DHT records "
+                        "expire on their writer's clock, so this peer would vanish from the swarm or linger after "
+                        "it left. Synchronize the clock (e.g. enable NTP: `timedatectl set-ntp true`)")
+    if clock.verdict == "warn":
+        log.warning("%s; records and deadlines tolerate up to %.1fs, but synchronize it (NTP)",
+                    clock.describe(), net.max_clock_offset)
+    if not serving:
+        return
+    reachable = judge_reachability([g.reachable for g in greetings if g.reachable is not None])
+    if reachable is False:
+        seen = ", ".join(sorted({g.seen_as for g in greetings if g.seen_as})) or "an unknown address"
+        raise JoinError(
+            f"the swarm cannot connect to this server: peers see it connect from {seen} but cannot open a "
+            f"connection back to port(s) {', '.join(map(str, ports))}. A server must accept connections from "
+            "trainers and its stage's replicas: it is behind a NAT or a firewall. Forward a port to it and "
+            "set net.port to it and net.announce_addrs to the public address (e.g. --port 31337 --announce "
+            "/ip4/PUBLIC_IP/tcp/31337), or run a trainer here instead (trainers work from behind a NAT)"
+        )

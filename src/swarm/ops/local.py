@@ -158,6 +158,8 @@ class LocalSwarm:
         if self.cfg.local.netns:  # peers outside the namespaces listen where the namespaces reach them
             self.lab = NetLab(1 + os.getpid() % 250)
             self.cfg = replace(self.cfg, net={"host": self.lab.gateway})
+        else:  # one host: every peer on loopback, reachable from this machine only
+            self.cfg = replace(self.cfg, net={"host": "127.0.0.1"})
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
         addr_file = self.run_dir / "bootstrap.addr"
         addr_file.unlink(missing_ok=True)

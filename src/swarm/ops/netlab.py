@@ -29,6 +29,11 @@ class Host:
     inner: str  # the veth end inside the namespace
 
 
+def nat_available() -> bool:
+    """Whether hosts behind a NAT can be made here (iptables, on top of namespaces)."""
+    return shutil.which("iptables") is not None and available()
+
+
 def available() -> bool:
     """Whether namespaces can be made here: iproute2 present and allowed to add a namespace."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -102,6 +107,31 @@ class NetLab:
         _run(*inside, "ip", "addr", "add", f"{host.ip}/24", "dev", host.inner)
         _run(*inside, "ip", "link", "set", host.inner, "up")
         _run(*inside, "ip", "link", "set", "lo", "up")
+        return host
+
+    def add_host_behind_nat(self, name: str) -> Host:
+        """A host on a private link behind a router that masquerades it onto the bridge (a home NAT):
+        it can open connections to every other host, none can be opened to it. The returned `Host`'s
+        link is the router's, so cutting or shaping it acts on the whole NAT. Needs iptables."""
+        router = self.add_host(f"{name}-router")
+        n = len(self.hosts) + 2  # numbered as `add_host` numbers hosts
+        private = f"10.78.{self.id}"
+        host = Host(name, f"sw{self.id}h{n}", f"{private}.2", router.link, f"sw{self.id}i{n}")
+        outer = f"sw{self.id}p{n}"  # the router's end of the private link
+        _run("ip", "netns", "add", host.netns)
+        self.hosts[name] = host
+        _run("ip", "link", "add", outer, "netns", router.netns, "type", "veth", "peer", "name", host.inner,
+             "netns", host.netns)
+        in_router = ("ip", "netns", "exec", router.netns)
+        in_host = ("ip", "netns", "exec", host.netns)
+        _run(*in_router, "ip", "addr", "add", f"{private}.1/24", "dev", outer)
+        _run(*in_router, "ip", "link", "set", outer, "up")
+        _run(*in_router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        _run(*in_router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", router.inner, "-j", "MASQUERADE")
+        _run(*in_host, "ip", "addr", "add", f"{host.ip}/24", "dev", host.inner)
+        _run(*in_host, "ip", "link", "set", host.inner, "up")
+        _run(*in_host, "ip", "link", "set", "lo", "up")
+        _run(*in_host, "ip", "route", "add", "default", "via", f"{private}.1")
         return host
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,19 @@ def _smooth(xs: list[float], n: int) -> list[float]:
             acc -= xs[i - n]
         out.append(acc / min(i + 1, n))
     return out
+
+
+def gather(sources: list[Path], run_dir: Path) -> None:
+    """Copy what each peer wrote under its own run directory (on its own machine) into `run_dir`, so one
+    report covers them all. Every file a peer writes is named after its peer id, so nothing collides."""
+    dest = run_dir / "peers"
+    dest.mkdir(parents=True, exist_ok=True)
+    for source in sources:
+        found = list((source / "peers").glob("*"))
+        if not found:
+            raise FileNotFoundError(f"{source} has no peers/ directory of a swarm peer's results")
+        for path in found:
+            shutil.copy2(path, dest / path.name)
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.allreduce import RoundFailed, StageAllReduce, WeightsDiverged
-from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
+from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch, model_fingerprint
 from swarm.core import (
     Move,
     Seat,
@@ -41,12 +41,14 @@ from swarm.core import (
 from swarm.model import load_stages
 from swarm.net.directory import Directory, short
 from swarm.net.faultfile import FaultFile
-from swarm.net.node import start_dht, visible_addresses
+from swarm.net.join import JoinServicer
+from swarm.net.node import check_join, start_dht, visible_addresses
 from swarm.net.protocol import Tagged, Traffic
 from swarm.net.servicer import StageServicer
 from swarm.net.transport import CallFailed, StageClient
 from swarm.server.checkpoints import CheckpointStore
 from swarm.server.runtime import BatchGraph, StageRuntime, StepRecord
+from swarm.wire import PROTOCOL_VERSION
 from swarm.wire.records import ServerRecord
 from swarm.wire.validate import BadRequest, TensorSpec, Unavailable, check_same_batch, check_tensor
 
@@ -113,7 +115,7 @@ def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module], k: int) -> tupl
 class StageServer:
     def __init__(self, cfg: SwarmConfig):
         self.cfg = cfg
-        self.hash = config_hash(cfg.model)
+        self.hash = config_hash(cfg)
         self.max_request_bytes = int(cfg.net.max_payload_mb * 2**20)
         self.rng = random.Random()
         self.traffic = Traffic()  # bytes on the wire by role, since this server entered its stage
@@ -191,7 +193,9 @@ class StageServer:
             half_rtt = cfg.net.emulated_rtt_ms / 2000
             self.client = StageClient(p2p, faults, cfg.wire.policy(), self.traffic, half_rtt)
             self.directory = Directory(self.dht, cfg.net.run_id, cfg.net.record_ttl)
+            await check_join(self.dht, cfg.net, serving=True)
             await self._check_configs()
+            await JoinServicer(p2p).add_p2p_handlers(p2p)
             await StageServicer(self, faults, cfg.wire.policy(), self.traffic, half_rtt).add_p2p_handlers(p2p)
             stage = await self._first_stage()
             while True:
@@ -245,8 +249,8 @@ class StageServer:
             await self._download_state(ahead)
         self._serving = True
         log.info(
-            "stage %d server %s up on %s, epoch %d, device %s",
-            stage, self.label, visible_addresses(self.dht)[0], self.runtime.epoch, cfg.server.device,
+            "stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
+            stage, self.label, " ".join(visible_addresses(self.dht)), self.runtime.epoch, cfg.server.device,
         )
         await self._announce()
 
@@ -298,14 +302,9 @@ class StageServer:
             for r in records:
                 if r.config_hash != self.hash:
                     raise ConfigMismatch(
-                        f"server {short(r.peer_id)} of stage {r.stage} runs a different model config "
-                        f"({describe_mismatch(model_fingerprint(self.cfg.model), r.model)}); "
-                        "use the same model section, or another net.run_id"
-                    )
-                if r.mode != self.cfg.optim.mode:  # a sync replica cannot average with an async one
-                    raise ConfigMismatch(
-                        f"server {short(r.peer_id)} of stage {r.stage} trains in optim.mode {r.mode!r}, this one "
-                        f"in {self.cfg.optim.mode!r}; use the same optim.mode, or another net.run_id"
+                        f"server {short(r.peer_id)} of stage {r.stage} runs with other settings "
+                        f"({describe_mismatch(agreed(self.cfg), r.agreed())}); "
+                        "use the same model and optim sections and swarm version, or another net.run_id"
                     )
 
     # ---- announcements -------------------------------------------------------------------------
@@ -321,10 +320,11 @@ class StageServer:
             pending=self.runtime.pending_samples,
             config_hash=self.hash,
             model=model_fingerprint(self.cfg.model),
+            optim=agreed(self.cfg)["optim"],
+            protocol=PROTOCOL_VERSION,
             tenure=time.monotonic() - self._stage_since,
             moving=self._moving_to is not None,
             name=self.cfg.server.name,
-            mode=self.cfg.optim.mode,
         )
 
     async def _announce(self) -> None:
@@ -490,7 +490,7 @@ class StageServer:
         `new_work`: a microbatch new to this server, which it no longer takes once it is moving."""
         self._check_stage(meta)
         if meta.get("config") != self.hash:
-            raise BadRequest(f"model config hash {meta.get('config')!r} differs from this server's {self.hash}")
+            raise BadRequest(f"config hash {meta.get('config')!r} differs from this server's {self.hash}")
         if self._moving_to is not None and (new_work or self._drained):
             raise Unavailable(f"this server is moving to stage {self._moving_to}")
         req = meta.get("req")
@@ -699,7 +699,7 @@ class StageServer:
     # ---- moving between stages ---------------------------------------------------------------
 
     async def _seats(self) -> list[Seat]:
-        """Every live server of the run (with our model config) as the rebalancing policy sees it."""
+        """Every live server of the run (with our settings) as the rebalancing policy sees it."""
         stages = await self.directory.stages(self.cfg.model.num_stages)
         return [Seat(r.peer_id, r.stage, r.capacity, r.tenure, r.moving)
                 for records in stages.values() for r in records if r.config_hash == self.hash]

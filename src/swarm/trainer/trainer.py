@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from swarm.config import ConfigMismatch, SwarmConfig, config_hash, describe_mismatch, model_fingerprint
+from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.core import (
     BanList,
     Candidate,
@@ -45,7 +45,7 @@ from swarm.core import (
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import Directory, short
 from swarm.net.faultfile import FaultFile
-from swarm.net.node import start_dht
+from swarm.net.node import check_join, start_dht
 from swarm.net.protocol import Tagged, Traffic
 from swarm.net.transport import CallFailed, StageClient
 from swarm.wire.records import ServerRecord, TrainerRecord
@@ -95,7 +95,7 @@ class Trainer:
     def __init__(self, cfg: SwarmConfig):
         self.cfg = cfg
         self.tc = cfg.trainer
-        self.hash = config_hash(cfg.model)
+        self.hash = config_hash(cfg)
         self.num_stages = cfg.model.num_stages
         self.rng = random.Random(cfg.data.seed * 7919 + self.tc.index)
         self.bans = BanList(self.tc.ban_seconds, self.tc.ban_seconds * 8)
@@ -145,6 +145,7 @@ class Trainer:
             self.client = StageClient(await self.dht.replicate_p2p(), faults, self.cfg.wire.policy(), self.traffic,
                                       self.cfg.net.emulated_rtt_ms / 2000)
             self.directory = Directory(self.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
+            await check_join(self.dht, self.cfg.net, serving=False)
             self.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
                      short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
@@ -409,8 +410,8 @@ class Trainer:
                 if r.config_hash != self.hash:
                     if r.peer_id not in self._mismatch_logged:
                         self._mismatch_logged.add(r.peer_id)
-                        log.warning("ignoring server %s: different model config (%s)", short(r.peer_id),
-                                    describe_mismatch(model_fingerprint(self.cfg.model), r.model))
+                        log.warning("ignoring server %s: other settings (%s)", short(r.peer_id),
+                                    describe_mismatch(agreed(self.cfg), r.agreed()))
                     continue
                 usable.append(r)
                 self.stage_epoch[stage] = max(self.stage_epoch[stage], r.epoch)
@@ -422,11 +423,11 @@ class Trainer:
             self._last_seen.update(((stage, r.peer_id), now) for r in usable)
 
     def _check_config(self) -> None:
-        """Refuse to start against a swarm whose servers all run another model config."""
+        """Refuse to start against a swarm whose servers all run with other settings."""
         if self._mismatch_logged and not any(self.view.values()):
             raise ConfigMismatch(
-                "every server of this run uses a different model config (see the lines above); "
-                "use the swarm's model section, or another net.run_id"
+                "every server of this run uses other settings (see the lines above); "
+                "use the swarm's model and optim sections and swarm version, or another net.run_id"
             )
 
     async def _refresh_loop(self) -> None:

@@ -32,7 +32,7 @@ def _fields_from(cls: type, value: Any) -> dict[str, Any]:
         if f.name == "peer_id":
             continue
         if f.name not in value:
-            if f.default is not dataclasses.MISSING:
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                 continue
             raise RecordError(f"missing field {f.name!r}")
         v = value[f.name]
@@ -62,14 +62,19 @@ class ServerRecord(_Record):
     queue: int  # requests waiting for compute
     epoch: int  # optimizer steps this replica has applied
     pending: int  # samples accumulated toward the next step
-    config_hash: str
+    config_hash: str  # digest of what every peer of the run must share (swarm.config.agreed)
     model: dict  # the model config, so a mismatch can be explained field by field
     gone: bool = False  # tombstone written on graceful exit
     capacity: float = 0.0  # the same over a longer window, first calls left out (for rebalancing)
     tenure: float = 0.0  # seconds this server has served this stage (rebalancing waits for settled ones)
     moving: bool = False  # finishing its work here before it moves to another stage: route new work elsewhere
     name: str = ""  # the operator's label for the server, if any
-    mode: str = "sync"  # optim.mode: how its stage's replicas learn together (one mode per run)
+    optim: dict = dataclasses.field(default_factory=dict)  # the optimizer config, likewise
+    protocol: int = 0  # swarm.wire.PROTOCOL_VERSION of the writer (0: one from before versions)
+
+    def agreed(self) -> dict[str, Any]:
+        """What the writer hashed into `config_hash` (see swarm.config.agreed), to name what differs."""
+        return {"model": self.model, "optim": self.optim, "protocol": self.protocol}
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> ServerRecord:
