@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -95,22 +96,24 @@ class Greeting:
     seen_as: str = ""
 
 
-async def greet(p2p: P2P, peers: list[str], ports: list[int], timeout: float = 10.0) -> list[Greeting]:
-    """Greet each peer at once; peers that do not answer in time are left out."""
+async def greet(p2p: P2P, peers: list[str], ports: list[int], timeout: float = 10.0,
+                clock: Callable[[], float] = time.time) -> list[Greeting]:
+    """Greet each peer at once; peers that do not answer in time are left out. `clock` is this peer's
+    wall clock."""
     request = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"ports": ports[:MAX_PORTS]}))
 
     async def one(peer: str) -> Greeting | None:
-        sent = time.time()
+        sent = clock()
         try:
             stub = JoinServicer.get_stub(p2p, PeerID.from_base58(peer))
             response = await stub.rpc_hello(request, timeout=timeout)
             reply = msgpack.unpackb(response.metadata)
-            clock = ClockSample(sent, float(reply["time"]), time.time())
+            sample = ClockSample(sent, float(reply["time"]), clock())
         except Exception as e:  # an old or foreign peer, a dead one, a garbled reply: no greeting
             log.debug("no greeting from %s: %s", peer[-6:], e)
             return None
         reachable = reply.get("reachable")
-        return Greeting(peer, clock, reachable if isinstance(reachable, bool) else None, str(reply.get("seen_as", "")))
+        return Greeting(peer, sample, reachable if isinstance(reachable, bool) else None, str(reply.get("seen_as", "")))
 
     found = await asyncio.gather(*(one(p) for p in peers))
     return [g for g in found if g is not None]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
+from collections.abc import Callable
 
 import hivemind
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -63,7 +65,7 @@ def _loopback(addr: str) -> bool:
     return False
 
 
-async def check_join(dht: hivemind.DHT, net: NetConfig, serving: bool) -> None:
+async def check_join(dht: hivemind.DHT, net: NetConfig, serving: bool, clock: Callable[[], float] = time.time) -> None:
     """Greet the initial peers: compare clocks (warn, or refuse past `net.max_clock_offset`) and, for a
     peer that others must connect to (`serving`), have them dial back; refuse one nobody can reach.
 
@@ -74,7 +76,7 @@ async def check_join(dht: hivemind.DHT, net: NetConfig, serving: bool) -> None:
         return
     addrs = visible_addresses(dht)
     ports = sorted({int(Multiaddr(a).value_for_protocol("tcp")) for a in addrs if "/tcp/" in a})
-    greetings = await greet(await dht.replicate_p2p(), peers, ports if serving else [])
+    greetings = await greet(await dht.replicate_p2p(), peers, ports if serving else [], clock=clock)
     if not greetings:
         log.warning("none of the initial peers answered a greeting: clock and reachability not checked")
         return
