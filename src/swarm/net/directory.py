@@ -6,6 +6,7 @@ seconds; a peer that leaves gracefully writes a tombstone so it drops out at onc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from hivemind import DHT
@@ -41,7 +42,10 @@ class Directory:
         return [r for r in _parse(found, ServerRecord.from_value) if not r.gone and r.stage == stage]
 
     async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
-        return {k: await self.stage(k) for k in range(num_stages)}
+        """All stages, read at once: a read that waits on an unresponsive DHT node delays the view once,
+        not once per stage."""
+        found = await asyncio.gather(*(self.stage(k) for k in range(num_stages)))
+        return dict(enumerate(found))
 
     async def announce_trainer(self, record: TrainerRecord, ttl: float | None = None) -> None:
         await self.dht.store(
