@@ -1,12 +1,16 @@
 """When a stage takes an optimizer step, and who averages with whom.
 
 All replicas of a stage step together on averaged gradients, so the decision is made from the stage's
-collective progress in the current epoch, not from any single replica's.
+collective progress in the current epoch, not from any single replica's. `plan_step` is the whole
+decision a replica makes each time it looks (wait, catch up, or step with a group); the server only
+gathers its `StepView` and carries the answer out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 
 def stage_ready(own_samples: int, peer_samples: Mapping[str, int], target_batch_size: int) -> bool:
@@ -21,3 +25,119 @@ def stage_ready(own_samples: int, peer_samples: Mapping[str, int], target_batch_
 def expected_group(own_id: str, peers_at_epoch: Iterable[str]) -> tuple[str, ...]:
     """The stage members that should join this epoch's all-reduce, in an order every member agrees on."""
     return tuple(sorted({own_id, *peers_at_epoch}))
+
+
+@dataclass(frozen=True)
+class Replica:
+    """Another replica of the stage, as its DHT record shows it."""
+
+    peer: str
+    epoch: int
+    pending: int  # samples it accumulated toward its next step
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What one replica knows when it asks whether its stage steps now."""
+
+    now: float  # seconds on a monotonic clock
+    me: str
+    epoch: int
+    pending: int
+    others: tuple[Replica, ...]  # the stage's other live replicas, suspects included
+    trainers: int  # trainers in view
+    trainers_done: bool  # every trainer in view has sent its last microbatch
+    proposal: tuple[int, tuple[str, ...]] | None  # a round a groupmate began and we accepted (epoch, group)
+    target_batch_size: int
+    grace: float  # seconds a replica waits for a peer that looks behind, or for a first peer to appear
+
+
+@dataclass(frozen=True)
+class PlanMemory:
+    """What the plan carries from one look to the next (the replica keeps it, the plan updates it)."""
+
+    suspects: Mapping[str, tuple[float, int]] = field(default_factory=dict)  # peer -> (until, epoch it was at)
+    alone_since: float = math.inf  # since when no other replica has been in view
+    behind_since: Mapping[str, float] = field(default_factory=dict)  # peer -> since when it looks behind
+    peers_at_epoch: tuple[int, frozenset[str]] = (-1, frozenset())  # replicas last seen at our epoch
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Not yet: too few samples, or a peer may still come."""
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """The stage moved on without us: download its state from one of these (most advanced first)."""
+
+    sources: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Step (or average) this epoch with this group, in the order every member agrees on."""
+
+    group: tuple[str, ...]
+
+
+Decision = Wait | CatchUp | Step
+
+
+def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]:
+    """Whether this replica's stage steps now, and with whom; and what to remember for the next look.
+
+    A replica never steps on a partial view: a peer that looks one epoch behind is usually just late to
+    announce the step it took with us, so it is waited for, and left out only once it has looked behind
+    for `grace` (it is then catching up by downloading state, and would refuse the round anyway).
+    Likewise a replica steps alone only after it has seen no other replica for `grace`: a peer that
+    started with it may not have announced itself yet; and never while it sees no trainer either (it is
+    more likely cut off from the swarm than its stage's last replica). A suspect (a peer that failed a
+    round of ours) is left out until its record expires, unless its record moves on (it is alive).
+    """
+    if view.proposal is not None and view.proposal[0] == view.epoch:
+        return Step(view.proposal[1]), memory
+    now = view.now
+    epochs = {r.peer: r.epoch for r in view.others}
+    suspects = {p: (until, e) for p, (until, e) in memory.suspects.items() if until > now and epochs.get(p, e) == e}
+    in_view = [r for r in view.others if r.peer not in suspects]
+    alone_since = memory.alone_since
+    if in_view:
+        alone_since = math.inf
+    elif alone_since == math.inf:  # no need to wait for replicas we know of but cannot reach
+        alone_since = now - (math.inf if view.others else 0.0)
+    memory = replace(memory, suspects=suspects, alone_since=alone_since)
+    ahead = sorted((r for r in view.others if r.epoch > view.epoch), key=lambda r: -r.epoch)
+    if ahead:  # a suspect further along still proves us behind
+        return CatchUp(tuple(r.peer for r in ahead)), memory
+    peers = {r.peer: r.pending for r in in_view if r.epoch == view.epoch}
+    memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)))
+    held = view.pending + sum(peers.values())
+    run_over = held > 0 and view.trainers > 0 and view.trainers_done  # flush what the stage still holds
+    if not (stage_ready(view.pending, peers, view.target_batch_size) or run_over):
+        return Wait(), memory
+    behind_since = {r.peer: memory.behind_since.get(r.peer, now) for r in in_view if r.epoch < view.epoch}
+    memory = replace(memory, behind_since=behind_since)
+    if any(now - since < view.grace for since in behind_since.values()):
+        return Wait(), memory
+    if not in_view:
+        if not view.trainers:
+            # once the swarm is back in view, its other replicas may take a moment more to appear
+            return Wait(), replace(memory, alone_since=max(alone_since, now))
+        if now - alone_since < view.grace:
+            return Wait(), memory
+    return Step(expected_group(view.me, peers)), memory
+
+
+def suspect(memory: PlanMemory, peers: Iterable[str], until: float, epoch: int) -> PlanMemory:
+    """Peers that failed a round of ours at `epoch`: left out of the next groups until `until`."""
+    return replace(memory, suspects={**memory.suspects, **{p: (until, epoch) for p in peers}})
+
+
+def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> bool:
+    """Whether to join a round a groupmate began: for our epoch, with us in it, none of our suspects, and
+    no replica left out that we know is at this epoch (its samples would be dropped later)."""
+    if proposed_epoch != epoch or me not in group or memory.suspects.keys() & set(group):
+        return False
+    seen_epoch, seen = memory.peers_at_epoch
+    return not (seen_epoch == epoch and not seen <= set(group))

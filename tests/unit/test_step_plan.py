@@ -1,0 +1,119 @@
+"""The step plan: when a replica's stage steps and with whom, driven look by look with a fake clock."""
+
+from __future__ import annotations
+
+import math
+
+from swarm.core.stepping import (
+    CatchUp,
+    PlanMemory,
+    Replica,
+    Step,
+    StepView,
+    Wait,
+    accept_proposal,
+    plan_step,
+    suspect,
+)
+
+GRACE = 4.0
+
+
+def view(now: float, *others: Replica, epoch: int = 3, pending: int = 16, trainers: int = 1, done: bool = False,
+         proposal=None) -> StepView:
+    return StepView(now=now, me="me", epoch=epoch, pending=pending, others=tuple(others), trainers=trainers,
+                    trainers_done=done, proposal=proposal, target_batch_size=32, grace=GRACE)
+
+
+def looks(*views: StepView, memory: PlanMemory | None = None):
+    """Each look's decision, the memory carried from one to the next."""
+    memory = memory or PlanMemory()
+    decisions = []
+    for v in views:
+        decision, memory = plan_step(v, memory)
+        decisions.append(decision)
+    return decisions, memory
+
+
+def test_a_stage_steps_once_its_replicas_hold_the_target_batch_together():
+    (first, second), _ = looks(view(0.0, Replica("b", 3, 8)), view(1.0, Replica("b", 3, 16)))
+    assert first == Wait()
+    assert second == Step(("b", "me"))
+
+
+def test_a_replica_behind_catches_up_from_the_most_advanced_first():
+    (decision,), _ = looks(view(0.0, Replica("b", 4, 0), Replica("c", 6, 0), Replica("d", 3, 8)))
+    assert decision == CatchUp(("c", "b"))
+
+
+def test_a_peer_that_looks_one_epoch_behind_is_waited_for_then_left_out_after_the_grace():
+    """It is usually just late to announce the step it took with us."""
+    late = Replica("b", 2, 0)
+    decisions, memory = looks(view(0.0, late, pending=32), view(GRACE - 0.1, late, pending=32),
+                              view(GRACE + 0.1, late, pending=32))
+    assert decisions == [Wait(), Wait(), Step(("me",))]
+    assert memory.behind_since == {"b": 0.0}
+
+
+def test_a_peer_caught_up_in_time_steps_with_us():
+    decisions, _ = looks(view(0.0, Replica("b", 2, 0), pending=32), view(1.0, Replica("b", 3, 4), pending=32))
+    assert decisions == [Wait(), Step(("b", "me"))]
+
+
+def test_a_lone_replica_steps_alone_only_after_the_grace():
+    """A peer that started with it may not have announced itself yet."""
+    decisions, _ = looks(view(10.0, pending=32), view(10.0 + GRACE - 0.1, pending=32), view(10.0 + GRACE, pending=32))
+    assert decisions == [Wait(), Wait(), Step(("me",))]
+
+
+def test_a_peer_seen_only_after_the_grace_is_stepped_with():
+    decisions, memory = looks(view(0.0, pending=32), view(GRACE + 1, Replica("b", 3, 0), pending=32))
+    assert decisions == [Wait(), Step(("b", "me"))]
+    assert memory.alone_since == math.inf
+
+
+def test_no_step_alone_while_no_trainer_is_in_view_either():
+    """More likely cut off from the swarm than its stage's last replica; and once the swarm is back, the
+    grace starts again, since its other replicas may take a moment more to appear."""
+    decisions, memory = looks(view(0.0, pending=32, trainers=0), view(GRACE + 1, pending=32, trainers=0),
+                              view(GRACE + 2, pending=32), view(2 * GRACE + 1.5, pending=32))
+    assert decisions == [Wait(), Wait(), Wait(), Step(("me",))]
+
+
+def test_a_groupmate_s_proposal_for_our_epoch_is_taken_as_it_is():
+    (decision,), _ = looks(view(0.0, Replica("b", 3, 0), pending=0, proposal=(3, ("b", "c", "me"))))
+    assert decision == Step(("b", "c", "me"))
+    (stale,), _ = looks(view(0.0, Replica("b", 3, 0), pending=0, proposal=(2, ("b", "me"))))
+    assert stale == Wait()
+
+
+def test_when_the_trainers_are_done_the_stage_flushes_what_it_holds():
+    decisions, _ = looks(view(0.0, Replica("b", 3, 3), pending=2, done=True),
+                         view(0.0, Replica("b", 3, 0), pending=0, done=True))
+    assert decisions == [Step(("b", "me")), Wait()]
+
+
+def test_a_suspect_is_left_out_until_its_record_expires_or_moves_on():
+    memory = suspect(PlanMemory(), ["b"], until=5.0, epoch=3)
+    others = (Replica("b", 3, 16), Replica("c", 3, 16))
+    decisions, memory = looks(view(0.0, *others), memory=memory)
+    assert decisions == [Step(("c", "me"))]
+    decisions, _ = looks(view(6.0, *others), memory=memory)  # expired
+    assert decisions == [Step(("b", "c", "me"))]
+    decisions, _ = looks(view(1.0, Replica("b", 4, 0), Replica("c", 3, 16)), memory=memory)  # moved on: alive
+    assert decisions == [CatchUp(("b",))]
+
+
+def test_only_suspects_left_means_stepping_alone_at_once():
+    memory = suspect(PlanMemory(), ["b"], until=5.0, epoch=3)
+    decisions, _ = looks(view(0.0, Replica("b", 3, 0), pending=32), memory=memory)
+    assert decisions == [Step(("me",))]
+
+
+def test_a_proposal_is_accepted_only_for_our_epoch_with_us_and_everyone_we_know_at_it():
+    _, memory = looks(view(0.0, Replica("b", 3, 4), Replica("c", 3, 4), pending=4))
+    assert accept_proposal(memory, "me", 3, 3, ("b", "c", "me"))
+    assert not accept_proposal(memory, "me", 3, 3, ("b", "me"))  # c's samples would be dropped
+    assert not accept_proposal(memory, "me", 3, 2, ("b", "c", "me"))
+    assert not accept_proposal(memory, "me", 3, 3, ("b", "c"))
+    assert not accept_proposal(suspect(memory, ["c"], 9.0, 3), "me", 3, 3, ("b", "c", "me"))
