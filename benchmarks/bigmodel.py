@@ -13,13 +13,15 @@ own peak) and of its helpers (hivemind's DHT child and the p2pd daemon, in the s
 group). Reported per server: the stage's parameters, its parameters + gradients + AdamW moments in
 fp32 (16 bytes per parameter), the main process's peak RSS and its ratio to that; what the helpers
 add; what serving the state download added to the source replica, and what each checkpoint added
-(the most RSS rose above its level when the step that precedes it was logged); seconds per step.
+(the most RSS rose above its level just before while the checkpoint file was being written: the
+sampler watches for the server's temporary checkpoint file); seconds per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import threading
 import time
@@ -56,6 +58,7 @@ class Memory:
     peak_rss: int = 0  # the main process's largest sampled VmRSS
     helpers: dict[str, int] = field(default_factory=dict)  # helper command name -> its largest RSS
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, main VmRSS)
+    writing: list[bool] = field(default_factory=list)  # per timeline sample: a checkpoint was being written
 
 
 def _status_kib(pid: int) -> dict[str, int]:
@@ -84,9 +87,10 @@ def _group_members(pgid: int) -> list[tuple[int, str]]:
 
 
 class Sampler(threading.Thread):
-    def __init__(self, swarm: LocalSwarm):
+    def __init__(self, swarm: LocalSwarm, checkpoints: Path):
         super().__init__(daemon=True)
         self.swarm = swarm
+        self.checkpoints = checkpoints
         self.memory: dict[str, Memory] = {}
         self.done = threading.Event()
 
@@ -107,25 +111,36 @@ class Sampler(threading.Thread):
         mem.peak_hwm = max(mem.peak_hwm, main["VmHWM"])
         mem.peak_rss = max(mem.peak_rss, main["VmRSS"])
         mem.timeline.append((time.time(), main["VmRSS"]))
+        mem.writing.append(any(self.checkpoints.glob(f".stage*.pt.{peer.process.pid}.tmp")))
         for comm, rss in helpers:
             mem.helpers[comm] = max(mem.helpers.get(comm, 0), rss)
 
 
 def _log_times(peer: Peer, marker: str) -> list[float]:
-    """When the peer logged lines containing `marker` (its log's timestamps, to the millisecond)."""
-    times = []
-    for line in peer.log_path.read_text(errors="replace").splitlines():
-        if marker in line:
-            stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
-            times.append(stamp.timestamp())
-    return times
+    """When the peer logged lines containing `marker` (logs stamp to the second, today's date)."""
+    today = datetime.now().date()
+    return [datetime.combine(today, datetime.strptime(line[:8], "%H:%M:%S").time()).timestamp()
+            for line in peer.log_path.read_text(errors="replace").splitlines() if marker in line]
 
 
 def _rise(timeline: list[tuple[float, int]], start: float, end: float) -> int:
     """How far RSS rose within [start, end] above its last sample before `start`."""
-    before = [rss for t, rss in timeline if t <= start]
+    before = [rss for t, rss in timeline if t < start]
     during = [rss for t, rss in timeline if start <= t <= end]
     return max(during, default=0) - before[-1] if before and during else 0
+
+
+def _checkpoint_rises(mem: Memory) -> list[int]:
+    """For each checkpoint seen being written: how far RSS rose above the sample before it began."""
+    rises, start = [], None
+    for i, writing in enumerate([*mem.writing, False]):
+        if writing and start is None:
+            start = i
+        elif not writing and start is not None:
+            if start > 0:
+                rises.append(max(rss for _, rss in mem.timeline[start:i]) - mem.timeline[start - 1][1])
+            start = None
+    return rises
 
 
 def stage_parameters(cfg) -> list[int]:
@@ -136,7 +151,7 @@ def stage_parameters(cfg) -> list[int]:
 
 def run(cfg) -> dict:
     swarm = LocalSwarm(cfg)
-    sampler = Sampler(swarm)
+    sampler = Sampler(swarm, Path(cfg.server.checkpoint_dir))
     joined: dict[str, float] = {}
 
     def tick(status: SwarmStatus) -> None:
@@ -159,23 +174,24 @@ def run(cfg) -> dict:
     for peer in [p for p in swarm.peers if p.role == "server"]:
         mem = sampler.memory[peer.name]
         state = params[peer.stage] * STATE_BYTES_PER_PARAM
-        steps, checkpoints = _log_times(peer, " step "), _log_times(peer, " checkpoint at epoch ")
-        # each checkpoint after a step follows that step's log line; the one on exit follows the last step
-        ckpt_rises = [_rise(mem.timeline, max(s for s in steps if s <= c), c)
-                      for c in checkpoints if any(s <= c for s in steps)]
+        checkpoints = _log_times(peer, " checkpoint at epoch ")
         servers.append({
             "name": peer.name, "stage": peer.stage, "parameters": params[peer.stage], "state_bytes": state,
             "peak_hwm": mem.peak_hwm, "peak_rss_sampled": mem.peak_rss, "ratio": round(mem.peak_hwm / state, 3),
-            "helpers": mem.helpers, "checkpoint_rises": ckpt_rises, "checkpoints": len(checkpoints),
+            "helpers": mem.helpers, "checkpoint_rises": _checkpoint_rises(mem), "checkpoints": len(checkpoints),
         })
     joiner = next(p for p in swarm.peers if p.name == joined["name"])
     loaded = _log_times(joiner, " loaded epoch ")
     source = next(s for s in servers if s["stage"] == JOIN_STAGE and s["name"] != joiner.name)
+    window = (joined["at"], loaded[0] + 1.0) if loaded else None  # + 1: the log stamps to the second
+    source_steps = [s["time"] for records in read_steps(Path(cfg.run_dir)).get(JOIN_STAGE, []) for s in records]
     download = {
         "seconds_after_join": round(loaded[0] - joined["at"], 1) if loaded else None,
-        "source_rise": _rise(sampler.memory[source["name"]].timeline, joined["at"], loaded[0]) if loaded else None,
+        "source_rise": _rise(sampler.memory[source["name"]].timeline, *window) if window else None,
+        # a step of the source within the window adds its own transient (the mean gradient) to the rise
+        "source_steps_in_window": sum(window[0] <= t <= window[1] for t in source_steps) if window else None,
     }
-    step_times = {stage: _epoch_times(records) for stage, records in read_steps(cfg.run_dir).items()}
+    step_times = {stage: _epoch_times(records) for stage, records in read_steps(Path(cfg.run_dir)).items()}
     per_step = [b - a for times in step_times.values() for a, b in zip(times, times[1:], strict=False)]
     return {
         "servers": servers, "download": download, "run_seconds": round(finished - started, 1),
@@ -211,6 +227,7 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     cfg = load_config(None, [f'run_dir="{run_dir}"', f'server.checkpoint_dir="{run_dir / "checkpoints"}"',
                              *BIG, *args.overrides])
+    shutil.rmtree(cfg.server.checkpoint_dir, ignore_errors=True)  # a fresh run: nothing to resume from
     result = run(cfg)
     print(report(result))
     print(json.dumps({k: v for k, v in result.items() if k != "servers"}, indent=1))
