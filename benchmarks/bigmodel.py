@@ -111,7 +111,7 @@ class Sampler(threading.Thread):
         mem.peak_hwm = max(mem.peak_hwm, main["VmHWM"])
         mem.peak_rss = max(mem.peak_rss, main["VmRSS"])
         mem.timeline.append((time.time(), main["VmRSS"]))
-        mem.writing.append(any(self.checkpoints.glob(f".stage*.pt.{peer.process.pid}.tmp")))
+        mem.writing.append(any(self.checkpoints.glob(f"**/.stage*.pt.{peer.process.pid}.tmp")))
         for comm, rss in helpers:
             mem.helpers[comm] = max(mem.helpers.get(comm, 0), rss)
 
@@ -157,7 +157,9 @@ def run(cfg) -> dict:
     def tick(status: SwarmStatus) -> None:
         if not joined and min(status.epochs.get(JOIN_STAGE) or [0]) >= 1:
             joined["at"] = time.time()
-            joined["name"] = swarm.add_server(JOIN_STAGE).name
+            # a disk of its own, as on another machine: the stage's state can only come from its replica
+            own_disk = f'server.checkpoint_dir="{Path(cfg.server.checkpoint_dir) / "joiner"}"'
+            joined["name"] = swarm.add_server(JOIN_STAGE, (own_disk,)).name
 
     started = time.time()
     try:
