@@ -40,10 +40,12 @@ BIG = [
     "model.d_model=1536", "model.n_heads=12", "model.d_ff=6144", "model.n_layers=20", "model.seq_len=128",
     "model.num_stages=4", "optim.target_batch_size=4", "optim.warmup_steps=2",
     "trainer.microbatch_size=2", "trainer.max_inflight=2", "trainer.target_steps=4",
-    "trainer.request_timeout=600.0", "net.allreduce_timeout=300.0",
+    "trainer.request_timeout=600.0", "net.allreduce_timeout=300.0", "net.max_payload_mb=1024",
     "server.checkpoint_every=1", "rebalance.enabled=false",
     "local.servers_per_stage=1", "local.trainers=1", "local.threads_per_peer=1", "local.timeout=1500.0",
 ]
+# net.max_payload_mb above: with two replicas, each all-reduce part of a 142M-parameter stage is 283 MB,
+# which the default limit (64 MiB) refuses
 JOIN_STAGE = 1
 STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW's exp_avg and exp_avg_sq
 SAMPLE_SECONDS = 0.25
