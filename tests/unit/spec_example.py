@@ -43,6 +43,18 @@ def tiny_spec(cfg: ModelConfig) -> list[nn.Module]:
     return [Embed(cfg)] + [Mix(cfg) for _ in range(cfg.num_stages - 2)] + [Head(cfg)]
 
 
+BUILT: list[int | None] = []  # what `per_stage` was asked for: a stage index, or None for the list
+
+
+def per_stage(cfg: ModelConfig, stage: int | None = None) -> list[nn.Module] | nn.Module:
+    """A spec that builds single stages (each from a seed of its own) but declares no boundary."""
+    BUILT.append(stage)
+    if stage is None:
+        return [per_stage(cfg, k) for k in range(cfg.num_stages)]
+    torch.manual_seed(cfg.init_seed * 100 + stage)
+    return Embed(cfg) if stage == 0 else Head(cfg) if stage == cfg.num_stages - 1 else Mix(cfg)
+
+
 def not_a_list(cfg: ModelConfig) -> nn.Module:
     return Embed(cfg)
 

@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from swarm.config import ConfigError, ModelConfig
-from swarm.model import PAD_ID, ComposedModel, build_stage, build_stages, load_stages
+from swarm.model import (
+    PAD_ID,
+    Boundary,
+    ComposedModel,
+    GPTStage,
+    build_stage,
+    build_stages,
+    load_stages,
+    stage_boundary,
+)
+from swarm.model.spec import builds_one_stage, probe_boundary
 
 TINY = {"d_model": 32, "n_heads": 2, "d_ff": 64, "seq_len": 16, "vocab_size": 257}
 
@@ -141,6 +151,89 @@ def test_build_stage_is_deterministic_whatever_the_global_rng() -> None:
     other_seed = build_stage(tiny_cfg(num_stages=3, n_layers=3, init_seed=1), 1)
     assert not torch.equal(a.blocks[0].attn.qkv.weight, other_seed.blocks[0].attn.qkv.weight)
     assert not torch.equal(a.blocks[0].attn.qkv.weight, build_stage(cfg, 2).blocks[0].attn.qkv.weight)
+
+
+def test_build_stage_constructs_no_other_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server's process holds its own stage only: no other stage's module (or parameters) is built."""
+    cfg = tiny_cfg(num_stages=4, n_layers=6, bottleneck=8)
+    built: list[int] = []
+    construct = GPTStage.__init__
+
+    def recording(self: GPTStage, cfg: ModelConfig, index: int, n_layers: int) -> None:
+        built.append(index)
+        construct(self, cfg, index, n_layers)
+
+    monkeypatch.setattr(GPTStage, "__init__", recording)
+    assert builds_one_stage(cfg)
+    for k in range(cfg.num_stages):
+        built.clear()
+        stage = build_stage(cfg, k)
+        assert built == [k]
+        _, outputs = stage_boundary(cfg, stage)
+        assert built == [k]  # the boundary is declared: nothing was probed
+        assert (outputs is None) == (k == cfg.num_stages - 1)
+
+
+@pytest.mark.parametrize("bottleneck", [0, 8])
+@pytest.mark.parametrize("share_weights", [False, True])
+def test_stage_built_alone_is_bit_identical_to_the_whole_list(bottleneck: int, share_weights: bool) -> None:
+    """Every stage's weights are the same bits whether a process builds it alone, after other stages, or
+    as part of the whole list: replicas started on different machines agree without talking."""
+    cfg = tiny_cfg(num_stages=4, n_layers=6, bottleneck=bottleneck, share_weights=share_weights)
+    whole = build_stages(cfg)
+    after_others = [build_stage(cfg, k) for k in reversed(range(cfg.num_stages))][::-1]
+    for k in range(cfg.num_stages):
+        torch.manual_seed(100 + k)
+        alone = build_stage(cfg, k)
+        for other in (whole[k], after_others[k]):
+            names = [n for n, _ in other.named_parameters()]
+            assert [n for n, _ in alone.named_parameters()] == names
+            assert sum(p.numel() for p in alone.parameters()) == sum(p.numel() for p in other.parameters())
+            for (name, a), b in zip(alone.named_parameters(), other.parameters(), strict=True):
+                assert torch.equal(a, b), (k, name)
+
+
+@pytest.mark.parametrize("bottleneck", [0, 8])
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_declared_boundary_equals_probed(num_stages: int, bottleneck: int) -> None:
+    cfg = tiny_cfg(num_stages=num_stages, n_layers=4, bottleneck=bottleneck)
+    width = bottleneck or cfg.d_model
+    for k in range(num_stages):
+        stage = build_stage(cfg, k)
+        declared = stage_boundary(cfg, stage)
+        assert declared == probe_boundary(cfg, stage)
+        assert declared[0] == (Boundary(torch.int64, (16,)) if k == 0 else Boundary(torch.float32, (16, width)))
+
+
+@pytest.mark.usefixtures("example_specs")
+def test_list_only_spec_falls_back_to_the_list_and_to_probing() -> None:
+    """A spec without a `stage` argument still serves: its stage is taken from the whole list, and its
+    boundary (undeclared) is found by running the stages before it."""
+    cfg = tiny_cfg(spec="spec_example:tiny_spec", num_stages=3)
+    assert not builds_one_stage(cfg)
+    middle = build_stage(cfg, 1)
+    assert isinstance(middle, torch.nn.Module) and middle.index == 1 and not middle.is_last
+    for a, b in zip(middle.parameters(), load_stages(cfg)[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert stage_boundary(cfg, middle) == (Boundary(torch.float32, (16, 32)), Boundary(torch.float32, (16, 32)))
+    assert stage_boundary(cfg, build_stage(cfg, 0))[0] == Boundary(torch.int64, (16,))
+    assert stage_boundary(cfg, build_stage(cfg, 2))[1] is None
+
+
+@pytest.mark.usefixtures("example_specs")
+def test_user_spec_with_stage_argument_builds_single_stages() -> None:
+    """A user spec taking `stage` is asked for one stage at a time, also when its undeclared boundary is
+    probed (the stages before it, one by one), and never for the whole list."""
+    import spec_example
+
+    cfg = tiny_cfg(spec="spec_example:per_stage", num_stages=3)
+    spec_example.BUILT.clear()
+    last = build_stage(cfg, 2)
+    assert last.is_last and spec_example.BUILT == [2]
+    assert stage_boundary(cfg, last) == (Boundary(torch.float32, (16, 32)), None)
+    assert spec_example.BUILT == [2, 0, 1]
+    for a, b in zip(last.parameters(), load_stages(cfg)[2].parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_residual_projections_are_scaled_down() -> None:

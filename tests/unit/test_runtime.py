@@ -387,6 +387,61 @@ def test_loaded_state_reproduces_the_next_step_bit_for_bit(optimizer: str) -> No
         assert torch.equal(a, b)
 
 
+def test_flat_grad_takes_the_gradients_in_without_a_copy() -> None:
+    """The round's vector is where the gradients live from then on: a retried round finds it as it was,
+    backwards in between add to it, and the step reads the same sums as without it."""
+    stage = load_stages(tiny_cfg())[1]
+    rt, reference = runtime(stage), runtime(stage)
+    for r in (rt, reference):
+        accumulate(r, seed=50)
+    vector = rt.flat_grad()
+    assert all(p.grad._base is vector for p in rt.params)
+    assert rt.flat_grad() is vector  # a round that failed is retried on the same memory
+    for r in (rt, reference):
+        accumulate(r, seed=51)
+    assert rt.flat_grad() is vector
+    assert torch.equal(vector, reference.flat_grad())
+    for r in (rt, reference):
+        r.apply_step(r.flat_grad() / 6, 6, group=1)
+    assert rt.digest() == reference.digest()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_state_is_lent_and_stays_as_it_was_while_held(mode: str) -> None:
+    """`state` hands out the live tensors, not copies; a step (or an async local update) while a reader
+    holds them moves the live state to fresh memory, so the reader's stays what it was; once the reader
+    let go, the state changes in place again."""
+    stage = load_stages(tiny_cfg())[1]
+    rt = runtime(stage, dataclasses.replace(OPTIM, mode=mode))
+
+    def change_state(seed: int) -> None:  # a step, or async a microbatch's local update
+        if mode == "sync":
+            train_steps(rt, [seed])
+        else:
+            accumulate(rt, seed)
+
+    change_state(60)
+    meta, lent = rt.state()
+    copied = [t.clone() for t in lent]
+    if mode == "sync":
+        assert lent[0].data_ptr() == rt.params[0].data_ptr()
+    opt_lent = lent[len(meta["names"]):]
+    live_moments = [st["exp_avg"] for st in rt.optimizer.state.values()]
+    assert any(t.data_ptr() == live_moments[0].data_ptr() for t in opt_lent)
+
+    change_state(61)
+    assert all(torch.equal(a, b) for a, b in zip(lent, copied, strict=True))
+    assert not torch.equal(rt.optimizer.state[rt.params[0]]["exp_avg"], live_moments[0])
+    loaded = runtime(stage, dataclasses.replace(OPTIM, mode=mode))
+    loaded.load_state(meta, lent)  # what the reader got is a consistent state of one epoch
+    assert loaded.digest() == meta["digest"]
+
+    del lent, opt_lent, copied
+    before = [p.data_ptr() for p in rt.params]
+    change_state(62)
+    assert [p.data_ptr() for p in rt.params] == before
+
+
 def test_the_ledger_remembers_a_bounded_number_of_steps() -> None:
     rt = runtime(load_stages(tiny_cfg())[1])
     for epoch in range(LEDGER_EPOCHS + 3):

@@ -10,6 +10,7 @@ so a boundary costs `b / d_model` of the bytes (compression the model learns to 
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 
 from swarm.config.schema import ModelConfig
 from swarm.core.partition import split_layers
+from swarm.model.spec import Boundary
 
 PAD_ID = 256  # byte values use 0..255; the one extra id pads short samples and is ignored by the loss
 
@@ -84,6 +86,7 @@ class GPTStage(nn.Module):
         self.n_layers = n_layers
         self.share_weights = cfg.share_weights
         self.seq_len = cfg.seq_len
+        self.boundary_width = cfg.bottleneck or cfg.d_model  # values per token between stages
         if self.is_first:
             self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
@@ -133,6 +136,13 @@ class GPTStage(nn.Module):
                 self.down.weight.copy_(_boundary_basis(cfg, self.index).t())
                 self.down.bias.zero_()
 
+    def boundary(self) -> tuple[Boundary, Boundary | None]:
+        """Per sample: token ids in, or the previous stage's hidden state; hidden state out, or (the last
+        stage) the loss. Declared so a server knows them without building the stages before its own."""
+        hidden = Boundary(torch.float32, (self.seq_len, self.boundary_width))
+        inputs = Boundary(torch.int64, (self.seq_len,)) if self.is_first else hidden
+        return inputs, None if self.is_last else hidden
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         seq = input_ids.shape[1]
         if seq > self.seq_len:
@@ -166,7 +176,15 @@ def _boundary_basis(cfg: ModelConfig, boundary: int) -> torch.Tensor:
     return q
 
 
-def build_stages(cfg: ModelConfig) -> list[nn.Module]:
-    """The default `model.spec`: the decoder split into `cfg.num_stages` contiguous stages."""
+@overload
+def build_stages(cfg: ModelConfig) -> list[nn.Module]: ...
+@overload
+def build_stages(cfg: ModelConfig, stage: int) -> nn.Module: ...
+def build_stages(cfg: ModelConfig, stage: int | None = None) -> list[nn.Module] | nn.Module:
+    """The default `model.spec`: the decoder split into `cfg.num_stages` contiguous stages, or with
+    `stage` that stage alone (each stage draws its weights from a generator of its own, so it comes out
+    the same bits either way)."""
     ranges = split_layers(cfg.n_layers, cfg.num_stages)
+    if stage is not None:
+        return GPTStage(cfg, stage, len(ranges[stage]))
     return [GPTStage(cfg, index, len(layers)) for index, layers in enumerate(ranges)]

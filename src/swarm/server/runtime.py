@@ -40,6 +40,7 @@ import contextlib
 import hashlib
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +139,7 @@ class StageRuntime:
         # async: the averaged tensors as the last round left them (bit-identical on every replica)
         self.anchor = self._flat_averaged() if self.asynchronous else None
         self._generation = 0  # bumped whenever the anchor is replaced or the weights return to it
+        self._lent: list[weakref.ref] = []  # the state's tensors as `state` handed them out (see _unshare)
         self.last_digest = self.digest()  # of the stage's agreed weights; replicas at one epoch must agree on it
 
     def accumulates(self, req_id: str) -> bool:
@@ -284,13 +286,43 @@ class StageRuntime:
     # ---- the optimizer step ----------------------------------------------------------------------
 
     def flat_grad(self) -> torch.Tensor:
-        """All accumulated gradients as one float32 vector on the CPU (zeros where none arrived yet)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
+        """All accumulated gradients as one float32 vector on the CPU (zeros where none arrived yet).
+
+        On a CPU stage of float32 parameters the gradients move into the vector: each `p.grad` becomes
+        a view of it, so the round costs no second copy of the stage's gradients, and a round that fails
+        leaves them in place for the next (backwards in between add to them there)."""
+        if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self.params):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
+        flat = self._grad_vector()
+        if flat is None:
+            flat = torch.empty(sum(p.numel() for p in self.params))
+            offset = 0
+            for p in self.params:
+                view = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view  # the old gradient is freed here: at most one tensor is held twice
+                offset += p.numel()
+        return flat
+
+    def _grad_vector(self) -> torch.Tensor | None:
+        """The vector an earlier `flat_grad` made every gradient a view of, if they still are."""
+        first = self.params[0].grad if self.params else None
+        base = None if first is None else first._base
+        offset = 0
+        for p in self.params:
+            if base is None or p.grad is None or p.grad._base is not base or p.grad.storage_offset() != offset:
+                return None
+            offset += p.numel()
+        return base if base.numel() == offset else None
 
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm or math.inf))
+        self._unshare()
         lr = self.lr()
         for group_ in self.optimizer.param_groups:
             group_["lr"] = lr
@@ -321,9 +353,12 @@ class StageRuntime:
         """
         offset = 0
         for p in self.params:
-            n = p.numel()
-            p.grad = mean_grad[offset : offset + n].view_as(p).to(device=p.device, dtype=p.dtype).clone()
-            offset += n
+            mean = mean_grad[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = mean.to(device=p.device, dtype=p.dtype).clone()
+            else:  # in place: the gradient's memory (see flat_grad) takes the mean, no second copy
+                p.grad.copy_(mean)
+            offset += p.numel()
         lr = self.lr()
         norm = self._optimizer_step()
         ids = sorted(self.pending) if ids is None else ids
@@ -353,6 +388,7 @@ class StageRuntime:
 
     @torch.no_grad()
     def _set_averaged(self, flat: torch.Tensor) -> None:
+        self._unshare()
         offset = 0
         for t in self._averaged():
             n = t.numel()
@@ -432,20 +468,50 @@ class StageRuntime:
     def state(self) -> tuple[dict, list[torch.Tensor]]:
         """Parameters, buffers and optimizer state, flattened for the wire. Async, the averaged tensors
         are sent as the anchor holds them: a replica's un-averaged progress stays its own (its pending
-        microbatches would otherwise count twice in the next round)."""
+        microbatches would otherwise count twice in the next round).
+
+        The parameters and optimizer state are lent, not copied: a copy would cost as much memory again
+        as the stage's weights and optimizer state, on every checkpoint and every download served. They
+        stay as they are while the reader holds them: the runtime moves its own to fresh memory before
+        it next changes them in place, if by then a reader still holds them (`_unshare`). Buffers, which
+        a forward may change in place (running statistics), are copied."""
         agreed = dict(zip(map(id, self._averaged()), self._anchor_views(), strict=True)) if self.asynchronous else {}
+        self._lent = [ref for ref in self._lent if ref() is not None]
         names, tensors = [], []
         for name, t in self.module.state_dict(keep_vars=True).items():
             names.append(name)
-            tensors.append(agreed.get(id(t), t).detach().cpu().clone())
+            value = agreed.get(id(t), t)
+            tensors.append(self._lend(value) if isinstance(t, torch.nn.Parameter) else value.detach().cpu().clone())
         opt_keys = []
         for index, st in sorted(self.optimizer.state_dict()["state"].items()):
             for key, value in sorted(st.items()):
                 opt_keys.append([index, key])
-                tensors.append(torch.as_tensor(agreed.get(id(value), value)).detach().cpu().clone())
+                tensors.append(self._lend(torch.as_tensor(agreed.get(id(value), value))))
         ledger = [[epoch, ids] for epoch, ids in self.ledger().items()]
         meta = {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger, "digest": self.last_digest}
         return meta, tensors
+
+    def _lend(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` for a reader outside the compute thread, remembered until the reader drops it."""
+        lent = tensor.detach().cpu()
+        self._lent.append(weakref.ref(lent))
+        return lent
+
+    @torch.no_grad()
+    def _unshare(self) -> None:
+        """Before the parameters or optimizer state change in place: if a reader still holds tensors that
+        `state` lent it, give the live ones fresh memory, leaving the reader's unchanged. It costs a copy
+        only when a step comes while a checkpoint is written or a download is served."""
+        held = any(ref() is not None for ref in self._lent)
+        self._lent = []
+        if not held:
+            return
+        for p in self.module.parameters():
+            p.data = p.data.clone()
+        for st in self.optimizer.state.values():
+            for key, value in st.items():
+                if torch.is_tensor(value):
+                    st[key] = value.clone()
 
     def ledger(self) -> dict[int, list[str]]:
         """The microbatches of each remembered step, by the epoch it produced."""
@@ -463,6 +529,7 @@ class StageRuntime:
             trainable = [sent.get(n) for n, p in self.module.named_parameters() if p.requires_grad]
             if any(t is None for t in trainable) or _digest(trainable) != meta["digest"]:
                 raise ValueError(f"state checksum mismatch: expected {meta['digest']}")
+        self._unshare()
         self.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
         opt_state = self.optimizer.state_dict()
         opt_state["state"] = {}
@@ -485,5 +552,5 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     """A short hash of the tensors' bytes: equal digests mean bit-identical parameters."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # the bytes in place, not a copy
     return h.hexdigest()[:16]

@@ -38,7 +38,7 @@ from swarm.core import (
     plan_for_swarm,
     stage_ready,
 )
-from swarm.model import load_stages
+from swarm.model import build_stage, stage_boundary
 from swarm.net.directory import Directory, short
 from swarm.net.faultfile import FaultFile
 from swarm.net.join import JoinServicer
@@ -97,19 +97,12 @@ def _expiry(meta: dict[str, Any]) -> Deadline:
     )
 
 
-def probe_specs(cfg: SwarmConfig, stages: list[torch.nn.Module], k: int) -> tuple[TensorSpec, TensorSpec | None]:
-    """What stage `k` accepts and emits, found by pushing one sample through the stages before it."""
-    seq = cfg.model.seq_len
-    ids_spec = TensorSpec(torch.int64, (seq,), max_value=cfg.model.vocab_size)
-    x = torch.zeros(1, seq, dtype=torch.int64)
-    with torch.no_grad():
-        for stage in stages[:k]:
-            x = stage(x)
-        in_spec = ids_spec if k == 0 else TensorSpec(x.dtype, tuple(x.shape[1:]))
-        if k == len(stages) - 1:
-            return in_spec, None
-        y = stages[k](x)
-    return in_spec, TensorSpec(y.dtype, tuple(y.shape[1:]))
+def stage_specs(cfg: SwarmConfig, module: torch.nn.Module) -> tuple[TensorSpec, TensorSpec | None]:
+    """What the stage accepts and emits, as its module declares it (or probed; see `stage_boundary`)."""
+    inputs, outputs = stage_boundary(cfg.model, module)
+    ids_bound = cfg.model.vocab_size if not inputs.dtype.is_floating_point else None
+    in_spec = TensorSpec(inputs.dtype, inputs.shape, max_value=ids_bound)
+    return in_spec, None if outputs is None else TensorSpec(outputs.dtype, outputs.shape)
 
 
 class StageServer:
@@ -257,9 +250,9 @@ class StageServer:
     def _build(self, stage: int) -> tuple[StageRuntime, TensorSpec, TensorSpec | None]:
         """The stage's runtime at its initial weights, and what it accepts and emits (on the compute thread)."""
         cfg = self.cfg
-        stages = load_stages(cfg.model)
-        in_spec, out_spec = probe_specs(cfg, stages, stage)
-        runtime = StageRuntime(stages[stage], cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
+        module = build_stage(cfg.model, stage)  # this stage alone, where the model spec allows it
+        in_spec, out_spec = stage_specs(cfg, module)
+        runtime = StageRuntime(module, cfg.optim, cfg.server.device, cfg.server.autocast, cfg.server.graph_ttl)
         return runtime, in_spec, out_spec
 
     async def _leave(self, tasks: list[asyncio.Task], target: int | None = None) -> None:
