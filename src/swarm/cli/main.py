@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -14,16 +15,21 @@ from swarm.config.recipes import DEMO
 from swarm.ops.faults import ACTIONS, FaultInjector
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _joining(p: argparse.ArgumentParser) -> None:
+    """What every command that joins a swarm takes: its config and where to find it."""
     p.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value, e.g. --set model.d_model=256 (repeatable)",
     )
     p.add_argument("--initial-peers", nargs="+", help="multiaddrs of any peers of the swarm (printed by `swarm dht`)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    _joining(p)
     p.add_argument("--run-dir", help="where logs, summaries and plots go")
     p.add_argument("--data", help="training text: a .txt/.jsonl file or a directory of them")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("status", help="print the live swarm from the DHT: stages, servers, trainers, a verdict")
+    _joining(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per snapshot, for scripts")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                   help="print a fresh snapshot every SECONDS (default 2) until Ctrl-C")
     p = sub.add_parser("fault", help="inject a fault into a running local swarm (see `swarm local`)")
     p.add_argument("action", choices=ACTIONS)
     p.add_argument("peer", help="the peer's name, as in RUN_DIR/peers.json (e.g. server-s1-3, trainer-0)")
@@ -92,6 +103,28 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
     return load_config(args.config, overrides, base=base)
 
 
+def _status(cfg: SwarmConfig, as_json: bool, every: float | None) -> None:
+    """`swarm status`: the stage count comes from the servers' records (the config's is a first guess)."""
+    from swarm.ops.status import follow
+    from swarm.ops.status_view import render_text, status_json
+
+    clear = every is not None and not as_json and sys.stdout.isatty()
+
+    def show(status) -> None:
+        if as_json:
+            print(json.dumps(status_json(status, cfg.net.run_id)), flush=True)
+        else:
+            print(("\033[H\033[J" if clear else "") + render_text(status, cfg.net.run_id) + "\n", flush=True)
+
+    if every is not None and every <= 0:
+        raise ConfigError(f"--watch: SECONDS must be positive, got {every}")
+    try:
+        follow(cfg, show, every)
+    except KeyboardInterrupt:  # how --watch ends
+        if every is None:
+            raise
+
+
 def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
     from swarm.net.node import start_dht, visible_addresses
 
@@ -130,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config(args)
         if args.command == "dht":
             _serve_dht(cfg, args.addr_file)
+        elif args.command == "status":
+            _status(cfg, args.json, args.watch)
         elif args.command == "server":
             from swarm.server.server import StageServer
 
@@ -150,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except ConnectionError as e:  # an OSError: caught before the clause below would re-raise it
+        print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
+        return 4
     except (ValueError, OSError) as e:  # a fault the CLI could not inject (no such peer, no namespace)
         if args.command != "fault":
             raise
         print(f"swarm fault: {e}", file=sys.stderr)
         return 2
-    except ConnectionError as e:
-        print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
-        return 4
     return 0
 
 
