@@ -25,6 +25,7 @@ from typing import Any
 
 from swarm.net.directory import short
 from swarm.ops.status import SwarmStatus, server_rate
+from swarm.wire.records import ServerRecord
 
 SERVER_FIELDS = ("name", "throughput", "capacity", "queue", "epoch", "pending", "moving", "tenure", "mode")
 TRAINER_FIELDS = ("completed", "failed", "loss", "samples_per_second", "done")
@@ -39,7 +40,7 @@ def status_json(status: SwarmStatus, run_id: str) -> dict[str, Any]:
             "epoch": max((r.epoch for r in records), default=None),
             "capacity": diagnosis.capacity[stage],
             "pending": sum(r.pending for r in records),
-            "servers": [{"peer_id": r.peer_id, **{f: getattr(r, f) for f in SERVER_FIELDS}} for r in records],
+            "servers": [{"peer_id": r.peer_id, **{f: getattr(r, f) for f in SERVER_FIELDS}} for r in _ordered(records)],
         })
     trainers = [
         {"peer_id": t.peer_id, **{f: _finite(getattr(t, f)) for f in TRAINER_FIELDS}} for t in status.trainers
@@ -64,7 +65,7 @@ def render_text(status: SwarmStatus, run_id: str) -> str:
                      f"{_count(len(records), 'server')}")
         rows = [[r.name or "-", short(r.peer_id), f"{r.throughput:.1f}", f"{server_rate(r):.1f}",
                  str(r.queue), str(r.epoch), str(r.pending), "moving" if r.moving else ""]
-                for r in sorted(records, key=lambda r: (not r.name, r.name, r.peer_id))]  # named first
+                for r in _ordered(records)]
         lines += _table(["server", "peer", "throughput", "capacity", "queue", "epoch", "pending", ""], rows, left=2)
     if status.trainers:
         lines.append("trainers")
@@ -74,6 +75,11 @@ def render_text(status: SwarmStatus, run_id: str) -> str:
         lines += _table(["trainer", "samples", "samples/s", "loss", "failed", ""], rows, left=1)
     lines.append(f"verdict: {diagnosis.text}")
     return "\n".join(lines)
+
+
+def _ordered(records: list[ServerRecord]) -> list[ServerRecord]:
+    """Servers in an order that does not change between snapshots: named ones first, by name."""
+    return sorted(records, key=lambda r: (not r.name, r.name, r.peer_id))
 
 
 def _table(header: list[str], rows: list[list[str]], left: int) -> list[str]:
