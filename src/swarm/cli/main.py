@@ -105,12 +105,12 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
 
 def _status(cfg: SwarmConfig, as_json: bool, every: float | None) -> None:
     """`swarm status`: the stage count comes from the servers' records (the config's is a first guess)."""
-    from swarm.ops.status import follow
+    from swarm.ops.status import SwarmStatus, follow
     from swarm.ops.status_view import render_text, status_json
 
-    clear = every is not None and not as_json and sys.stdout.isatty()
+    clear = every is not None and not as_json and sys.stdout.isatty()  # a terminal: redraw in place
 
-    def show(status) -> None:
+    def show(status: SwarmStatus) -> None:
         if as_json:
             print(json.dumps(status_json(status, cfg.net.run_id)), flush=True)
         else:
