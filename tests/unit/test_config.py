@@ -84,6 +84,7 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (["model=3"], "model"),
         (["model.d_model"], "model.d_model"),
         (['trainer.routing="nearest"'], "trainer.routing"),
+        (["trainer.progress_every=0"], "trainer.progress_every"),
         (["server.merge_samples=-1"], "server.merge_samples"),
         (['server.device="tpu"'], "server.device"),
         (["server.slowdown=0.5"], "server.slowdown"),

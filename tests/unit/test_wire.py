@@ -50,10 +50,16 @@ def test_server_record_round_trip(extra: dict[str, Any]) -> None:
 
 
 def test_trainer_record_round_trip() -> None:
-    record = trainer_record(done=True)
+    record = trainer_record(done=True, samples_per_second=42.5)
     value = record.to_value()
     assert "peer_id" not in value
     assert TrainerRecord.from_value("QmTrainer", value) == record
+
+
+def test_a_trainer_record_from_an_older_peer_has_no_rate() -> None:
+    value = trainer_record().to_value()
+    del value["samples_per_second"]
+    assert TrainerRecord.from_value("QmTrainer", value).samples_per_second == 0.0
 
 
 def test_server_record_defaults_tombstone_and_widens_int_throughput() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -14,7 +15,8 @@ from swarm.config.recipes import DEMO
 from swarm.ops.faults import ACTIONS, FaultInjector
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _joining(p: argparse.ArgumentParser) -> None:
+    """What every command that joins a swarm takes: its config and where to find it."""
     p.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -27,9 +29,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--announce", nargs="+", metavar="MULTIADDR",
                    help="addresses to announce instead, e.g. /ip4/PUBLIC_IP/tcp/PORT behind a port forward")
     p.add_argument("--identity", metavar="FILE", help="private key file: keeps this peer's id across restarts")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    _joining(p)
     p.add_argument("--run-dir", help="where logs, summaries and plots go")
     p.add_argument("--data", help="training text: a .txt/.jsonl file or a directory of them")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         _common(p)
         p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("status", help="print the live swarm from the DHT: stages, servers, trainers, a verdict")
+    _joining(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per snapshot, for scripts")
+    p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                   help="print a fresh snapshot every SECONDS (default 2) until Ctrl-C")
     p = sub.add_parser("report", help="gather peers' results from their run directories into one report")
     p.add_argument("sources", nargs="+", metavar="PEER_RUN_DIR", help="each peer's --run-dir (copied from its host)")
     p.add_argument("--run-dir", required=True, help="where summary.json and the plots go")
@@ -117,6 +128,28 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
     return load_config(args.config, overrides, base=base)
 
 
+def _status(cfg: SwarmConfig, as_json: bool, every: float | None) -> None:
+    """`swarm status`: the stage count comes from the servers' records (the config's is a first guess)."""
+    from swarm.ops.status import SwarmStatus, follow
+    from swarm.ops.status_view import render_text, status_json
+
+    clear = every is not None and not as_json and sys.stdout.isatty()  # a terminal: redraw in place
+
+    def show(status: SwarmStatus) -> None:
+        if as_json:
+            print(json.dumps(status_json(status, cfg.net.run_id)), flush=True)
+        else:
+            print(("\033[H\033[J" if clear else "") + render_text(status, cfg.net.run_id) + "\n", flush=True)
+
+    if every is not None and every <= 0:
+        raise ConfigError(f"--watch: SECONDS must be positive, got {every}")
+    try:
+        follow(cfg, show, every)
+    except KeyboardInterrupt:  # how --watch ends
+        if every is None:
+            raise
+
+
 def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
     from swarm.net.join import JoinServicer
     from swarm.net.node import check_join, start_dht, visible_addresses
@@ -163,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _config(args)
         if args.command == "dht":
             _serve_dht(cfg, args.addr_file)
+        elif args.command == "status":
+            _status(cfg, args.json, args.watch)
         elif args.command == "server":
             from swarm.server.server import StageServer
 

@@ -315,11 +315,14 @@ class TrainerConfig:
     max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
     index: int = 0  # this trainer's data shard
     num_trainers: int = 1
+    # seconds between progress lines in the log (a progress bar instead where stderr is a terminal); also
+    # the window of the samples/s a trainer announces
+    progress_every: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers", "keep_epochs"):
             _require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
-        for name in ("request_timeout", "min_request_timeout", "settle_timeout"):
+        for name in ("request_timeout", "min_request_timeout", "settle_timeout", "progress_every"):
             _require(getattr(self, name) > 0, f"trainer.{name}", "must be positive")
         _require(self.routing in ("random", "wrr"), "trainer.routing", f"must be random or wrr, got {self.routing!r}")
         _require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")

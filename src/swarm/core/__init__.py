@@ -1,5 +1,5 @@
 """Pure decision logic of the swarm: routing, bans, measurements, retries, partitioning, stepping,
-delivery, rebalancing.
+delivery, rebalancing, the verdict on a swarm's health.
 
 Purity rule: modules here import only the Python standard library and other `swarm.core` modules;
 no torch, numpy, asyncio, hivemind or sockets, and no global clock or global random state. Time is
@@ -9,6 +9,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 
 from swarm.core.bans import BanList
 from swarm.core.delivery import LedgerAnswer, Verdict, judge, merge_answers
+from swarm.core.health import Diagnosis, ServerFigures, diagnose
 from swarm.core.partition import split_layers
 from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
 from swarm.core.retry import backoff_delay
@@ -26,10 +27,12 @@ from swarm.core.throughput import LatencyTracker, RateMeter, StageRate
 __all__ = [
     "BanList",
     "Candidate",
+    "Diagnosis",
     "LatencyTracker",
     "LedgerAnswer",
     "Move",
     "Seat",
+    "ServerFigures",
     "RateMeter",
     "SmoothWeightedRoundRobin",
     "StageRate",
@@ -38,6 +41,7 @@ __all__ = [
     "capacities",
     "choose_server",
     "choose_stage",
+    "diagnose",
     "layout_of",
     "expected_group",
     "judge",

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -27,7 +27,7 @@ from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.ops import netlab
 from swarm.ops.netlab import Host, NetLab
-from swarm.wire.records import ServerRecord
+from swarm.ops.status import SwarmStatus, read_status
 
 log = logging.getLogger("swarm.local")
 
@@ -54,28 +54,6 @@ class Peer:
             os.killpg(self.process.pid, sig)
         except ProcessLookupError:
             pass
-
-
-@dataclass
-class SwarmStatus:
-    epochs: dict[int, list[int]] = field(default_factory=dict)  # stage -> epoch of each live server
-    servers: dict[int, list[ServerRecord]] = field(default_factory=dict)  # stage -> its live servers' records
-    pending_by_stage: dict[int, int] = field(default_factory=dict)  # samples accumulated, not yet stepped
-    trainer_samples: int = 0
-    loss: float = float("nan")
-
-    @property
-    def pending(self) -> int:
-        return sum(self.pending_by_stage.values())
-
-    @property
-    def members(self) -> dict[int, list[str]]:
-        """Stage -> the names (or peer ids) of its live servers."""
-        return {stage: sorted(r.name or r.peer_id for r in records) for stage, records in self.servers.items()}
-
-    @property
-    def min_epoch(self) -> int:
-        return min((min(e) for e in self.epochs.values() if e), default=0)
 
 
 def fault_file(run_dir: Path, peer_name: str) -> Path:
@@ -223,18 +201,6 @@ class LocalSwarm:
 
     # ---- watching the run --------------------------------------------------------------------
 
-    async def status(self, directory: Directory) -> SwarmStatus:
-        status = SwarmStatus()
-        for stage, records in (await directory.stages(self.cfg.model.num_stages)).items():
-            status.epochs[stage] = sorted(r.epoch for r in records)
-            status.servers[stage] = records
-            status.pending_by_stage[stage] = sum(r.pending for r in records)
-        trainers = await directory.trainers()
-        status.trainer_samples = sum(t.completed for t in trainers)
-        losses = [t.loss for t in trainers if t.loss == t.loss]
-        status.loss = sum(losses) / len(losses) if losses else float("nan")
-        return status
-
     def wait_until_done(
         self, progress: bool = True, on_status: Callable[[SwarmStatus], None] | None = None
     ) -> SwarmStatus:
@@ -252,7 +218,7 @@ class LocalSwarm:
         try:
             while True:
                 await asyncio.sleep(0.5)
-                status = await self.status(directory)
+                status = await read_status(directory, self.cfg.model.num_stages)
                 if on_status is not None:
                     on_status(status)
                 bar.update(max(0, min(status.min_epoch, target) - bar.n))

@@ -24,11 +24,13 @@ import logging
 import math
 import random
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.core import (
@@ -151,7 +153,8 @@ class Trainer:
                      short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
             await self._refresh()
             self._check_config()
-            background = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._delivery_loop())]
+            background = [asyncio.create_task(self._refresh_loop()), asyncio.create_task(self._delivery_loop()),
+                          asyncio.create_task(self._progress_loop())]
             slots = asyncio.Semaphore(self.tc.max_inflight)
             running: set[asyncio.Task] = set()
             while not self._finished():
@@ -441,10 +444,48 @@ class Trainer:
 
     async def _announce(self) -> None:
         """`done` tells servers that no new microbatch will come, so they may flush what they hold."""
-        recent = self.completed[-20:]
-        loss = sum(c.loss for c in recent) / len(recent) if recent else float("nan")
-        record = TrainerRecord(self.peer_id, self._samples(), self.failed, loss, self.done)
+        record = TrainerRecord(self.peer_id, self._samples(), self.failed, self._recent_loss(), self.done,
+                               self._recent_rate())
         await self.directory.announce_trainer(record, ttl=60.0 if self.done else None)
+
+    # ---- progress, for the person watching ---------------------------------------------------------
+
+    def _recent_loss(self) -> float:
+        recent = self.completed[-20:]
+        return sum(c.loss for c in recent) / len(recent) if recent else float("nan")
+
+    def _recent_rate(self) -> float:
+        """Samples/s completed over the last `trainer.progress_every` seconds (since the start, before)."""
+        now = time.time()
+        since = max(now - self.tc.progress_every, self.started)
+        samples = sum(c.samples for c in itertools.takewhile(lambda c: c.time >= since, reversed(self.completed)))
+        return samples / max(now - since, 1e-9)
+
+    def _progress(self) -> str:
+        loss = self._recent_loss()
+        return (f"{self._samples():,} samples ({self._recent_rate():.1f}/s), loss "
+                + ("-" if math.isnan(loss) else f"{loss:.3f}")
+                + ", servers/stage " + "/".join(str(len(self.view[k])) for k in range(self.num_stages)))
+
+    async def _progress_loop(self) -> None:
+        """Every `trainer.progress_every` seconds, a log line (a progress bar of the stages' steps where
+        stderr is a terminal): a trainer is what an operator watches to see that the swarm trains."""
+        bar = None
+        if sys.stderr.isatty():
+            bar = tqdm(total=self.tc.target_steps, desc=f"trainer {short(self.peer_id)}", unit="step",
+                       dynamic_ncols=True)
+        try:
+            while True:
+                await asyncio.sleep(self.tc.progress_every)
+                step = min(self.stage_epoch)
+                if bar is None:
+                    log.info("trainer %s: %s, step %d", short(self.peer_id), self._progress(), step)
+                else:
+                    bar.update(min(step, bar.total) - bar.n)
+                    bar.set_postfix_str(self._progress())
+        finally:
+            if bar is not None:
+                bar.close()
 
     def _write_summary(self) -> None:
         if not hasattr(self, "peer_id"):

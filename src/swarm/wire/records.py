@@ -93,6 +93,7 @@ class TrainerRecord(_Record):
     failed: int  # microbatches given up after all retries
     loss: float  # recent mean loss
     done: bool  # the trainer has stopped sending work and drained what it had in flight
+    samples_per_second: float = 0.0  # completed over the last trainer.progress_every seconds (0 from old peers)
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> TrainerRecord:
