@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "status":
             _status(cfg, args.json, args.watch)
         elif args.command == "server":
-            from swarm.server.server import StageServer
+            from swarm.server.lifecycle import StageServer
 
             StageServer(cfg).run()
         elif args.command == "trainer":

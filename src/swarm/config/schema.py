@@ -239,6 +239,7 @@ class ServerConfig:
     graph_ttl: float = 120.0  # seconds a kept forward graph waits for its backward
     batch_backward_wait: float = 1.0  # seconds a batched forward's graph waits for all its requests' gradients
     leave_timeout: float = 10.0  # seconds a leaving server spends finishing the work it accepted
+    download_timeout: float = 60.0  # seconds a download of the stage's state from a replica may take
     checkpoint_dir: str | None = None  # where the stage is checkpointed, and resumed from on start
     checkpoint_every: int = 10  # optimizer steps between checkpoints
     keep_checkpoints: int = 2  # newest checkpoints kept per stage
@@ -264,6 +265,7 @@ class ServerConfig:
         _require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")
         _require(self.batch_backward_wait >= 0, "server.batch_backward_wait", "must be >= 0")
         _require(self.leave_timeout >= 0, "server.leave_timeout", "must be >= 0")
+        _require(self.download_timeout > 0, "server.download_timeout", "must be positive")
         _require(self.checkpoint_every > 0, "server.checkpoint_every", "must be positive")
         _require(self.keep_checkpoints > 0, "server.keep_checkpoints", "must be positive")
 

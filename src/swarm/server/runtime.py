@@ -1,7 +1,7 @@
 """A stage's compute: forward, backward, gradient accumulation and the optimizer step.
 
 Everything here is synchronous torch code that runs on the server's single compute thread, so no
-locking is needed inside. Networking, batching of requests and scheduling live in `server.py`.
+locking is needed inside. Networking, batching of requests and scheduling live in the other modules of `swarm.server`.
 
 Gradients are accumulated as *sums over samples* (the last stage back-propagates `loss * batch`), so
 an all-reduced sum divided by the stage's total sample count is the exact mean gradient of the step,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 import random
@@ -27,7 +26,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -45,11 +43,11 @@ from swarm.core import (
     merge_answers,
 )
 from swarm.data import SampleShard, load_documents, split_inputs_targets
-from swarm.net.directory import Directory, short
-from swarm.net.faultfile import FaultFile
-from swarm.net.node import check_join, start_dht
+from swarm.net.directory import short
+from swarm.net.peer import join
 from swarm.net.protocol import Tagged, Traffic
-from swarm.net.transport import CallFailed, StageClient
+from swarm.net.transport import CallFailed
+from swarm.results import PeerResults
 from swarm.wire.records import ServerRecord, TrainerRecord
 
 log = logging.getLogger("swarm.trainer")
@@ -140,14 +138,9 @@ class Trainer:
             self.cfg.data.seed,
         )
         batches = shard.batches(self.tc.microbatch_size)
-        self.dht = start_dht(self.cfg.net, client_mode=True)
+        peer = await join(self.cfg.net, self.cfg.wire, self.traffic, serving=False)
+        self.peer_id, self.client, self.directory = peer.peer_id, peer.client, peer.directory
         try:
-            self.peer_id = self.dht.peer_id.to_base58()
-            faults = FaultFile(self.cfg.net.fault_file) if self.cfg.net.fault_file else None
-            self.client = StageClient(await self.dht.replicate_p2p(), faults, self.cfg.wire.policy(), self.traffic,
-                                      self.cfg.net.emulated_rtt_ms / 2000)
-            self.directory = Directory(self.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
-            await check_join(self.dht, self.cfg.net, serving=False)
             self.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
                      short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
@@ -178,7 +171,7 @@ class Trainer:
                      short(self.peer_id), self._samples(), self.failed, self.retries, self.replays)
         finally:
             self._write_summary()
-            self.dht.shutdown()
+            peer.leave()
 
     def _finished(self) -> bool:
         return self.stop.is_set() or self.draining or min(self.stage_epoch) >= self.tc.target_steps
@@ -490,9 +483,7 @@ class Trainer:
     def _write_summary(self) -> None:
         if not hasattr(self, "peer_id"):
             return
-        out = Path(self.cfg.run_dir) / "peers"
-        out.mkdir(parents=True, exist_ok=True)
-        summary = {
+        PeerResults(self.cfg.run_dir).write(f"trainer-{self.tc.index}-{self.peer_id[-8:]}.json", {
             "role": "trainer",
             "index": self.tc.index,
             "peer_id": self.peer_id,
@@ -505,8 +496,7 @@ class Trainer:
             "call_seconds": self.call_seconds,
             "traffic": self.traffic.as_dict(),
             "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.completed],
-        }
-        (out / f"trainer-{self.tc.index}-{self.peer_id[-8:]}.json").write_text(json.dumps(summary))
+        })
 
 
 def _tagged(stage: int, method: str, tensors: list[torch.Tensor]) -> list[Tagged]:

@@ -1,0 +1,45 @@
+"""This process's place in a swarm, set up the same way for servers and trainers: its DHT peer, the
+client it calls stages with, the directory it reads and announces in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import hivemind
+from hivemind.p2p import P2P
+
+from swarm.config import NetConfig, WireConfig
+from swarm.net.directory import Directory
+from swarm.net.faultfile import FaultFile
+from swarm.net.node import check_join, start_dht
+from swarm.net.protocol import Traffic
+from swarm.net.transport import StageClient
+
+
+@dataclass
+class SwarmPeer:
+    dht: hivemind.DHT
+    p2p: P2P
+    client: StageClient
+    directory: Directory
+    faults: FaultFile | None  # fault injection's delay/loss rules for this peer's stage calls, if any
+    peer_id: str
+
+    def leave(self) -> None:
+        self.dht.shutdown()
+
+
+async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool) -> SwarmPeer:
+    """Join the DHT (in client mode unless `serving`) and check this peer against the swarm (its clock,
+    and, for a server, that others can connect to it; see `check_join`)."""
+    dht = start_dht(net, client_mode=not serving)
+    try:
+        p2p = await dht.replicate_p2p()
+        faults = FaultFile(net.fault_file) if net.fault_file else None
+        client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000)
+        await check_join(dht, net, serving)
+        directory = Directory(dht, net.run_id, net.record_ttl)
+        return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58())
+    except BaseException:
+        dht.shutdown()
+        raise

@@ -1,0 +1,91 @@
+"""A server's announcement in the DHT: what trainers route by and what its stage's replicas decide their
+steps from. Renewed every `net.announce_period`, and sooner while gradients accumulate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from swarm.config import NetConfig
+from swarm.net.directory import Directory
+from swarm.server.gate import ComputeGate
+from swarm.server.stage import ServedStage
+from swarm.wire import PROTOCOL_VERSION
+from swarm.wire.records import ServerRecord
+
+log = logging.getLogger("swarm.server")
+
+
+class Announcer:
+    def __init__(self, agreed: dict, config_hash: str, name: str, net: NetConfig, peer_id: str, directory: Directory,
+                 gate: ComputeGate, stage: ServedStage):
+        """`agreed`: the settings every peer of the run shares (swarm.config.agreed); they travel in every
+        record, so that a peer with other settings is told which differ."""
+        self.agreed = agreed
+        self.name = name
+        self.period, self.ttl = net.announce_period, net.record_ttl
+        self.hash = config_hash
+        self.peer_id = peer_id
+        self.directory = directory
+        self.gate = gate
+        self.stage = stage
+        self._announced_pending = 0
+
+    def record(self) -> ServerRecord:
+        st = self.stage
+        return ServerRecord(
+            peer_id=self.peer_id,
+            stage=st.index,
+            throughput=st.work.meter.rate,
+            capacity=st.work.capacity.rate,
+            queue=self.gate.queued,
+            epoch=st.runtime.epoch,
+            pending=st.runtime.pending_samples,
+            config_hash=self.hash,
+            model=self.agreed["model"],
+            tenure=st.tenure,
+            moving=st.moving_to is not None,
+            name=self.name,
+            optim=self.agreed["optim"],
+            protocol=PROTOCOL_VERSION,
+        )
+
+    async def announce(self) -> None:
+        self.stage.work.fold(self.period)
+        record = self.record()
+        await self.directory.announce_server(record)
+        self._announced_pending = record.pending
+
+    async def withdraw(self) -> None:
+        await self.directory.withdraw_server(self.record())
+
+    async def _announce_quietly(self) -> None:
+        try:
+            await self.announce()
+        except Exception as e:  # the DHT may be briefly unreachable; the next announcement retries
+            log.warning("announcement failed: %s", e)
+
+    async def loop(self) -> None:
+        """Re-announce every period, and sooner while gradients accumulate: replicas decide when the
+        stage steps from each other's announced sample counts, so stale counts mean oversized steps.
+
+        The loop also notices when this process stalled (it was frozen) for so long that its record
+        may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall.
+        """
+        st = self.stage
+        last = tick = time.monotonic()
+        sending: asyncio.Task | None = None
+        while True:
+            await asyncio.sleep(min(0.1, self.period))
+            now = time.monotonic()
+            if now - tick > self.ttl - self.period:
+                st.lapsed = True
+                log.warning("stage %d server %s stalled for %.1fs", st.index, st.label, now - tick)
+            tick = now
+            if sending is not None and not sending.done():
+                continue
+            changed = st.runtime.pending_samples != self._announced_pending
+            if changed or now - last >= self.period:
+                last = now
+                sending = asyncio.create_task(self._announce_quietly())

@@ -1,0 +1,120 @@
+"""The compute gate: all of a server's torch work runs on one thread, entered one job at a time.
+
+One thread, so that requests queue instead of oversubscribing the cores; one lock (`lock`), held by a
+job from the moment it is admitted until the thread is done with it, so that a stage's step can hold
+it across its whole round and no gradient slips in between the all-reduce and the step. A request
+whose caller has given up on it by the time its turn comes is dropped, not applied (the caller may be
+retrying it elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from swarm.wire.calls import StageCall
+from swarm.wire.validate import Unavailable
+
+# (pass, samples, seconds): forward or backward work done, for the throughput figures
+WorkCounter = Callable[[str, int, float], None]
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When a request is no longer worth applying. `arrival_bound`: the caller's timeout counted from
+    the request's arrival, on our clock. `wall`: the caller's own bound on the wall clock, which holds
+    even for requests that sat in buffers while this process was frozen; the caller sets it well before
+    it would send the work elsewhere, leaving room for clocks that disagree by seconds."""
+
+    arrival_bound: float = math.inf
+    wall: float = math.inf
+
+    @classmethod
+    def of(cls, call: StageCall) -> Deadline:
+        return cls(time.monotonic() + call.timeout, call.deadline)
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.arrival_bound or time.time() > self.wall
+
+
+class ComputeGate:
+    def __init__(self, slowdown: float, cost_by_cpu: bool):
+        """`slowdown`: see `_slowed`. `cost_by_cpu`: this thread does all of the work (a CPU server with
+        one torch thread), so its CPU time is what a job costs."""
+        self.slowdown = slowdown
+        self.cost_by_cpu = cost_by_cpu
+        self.lock = asyncio.Lock()
+        self.queued = 0  # jobs waiting for the lock (announced: trainers route around long queues)
+        self.busy_seconds = 0.0  # wall time the thread spent on jobs
+        self.count_work: WorkCounter = lambda work, samples, seconds: None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
+        self._cost = 0.0  # what the thread's last job cost
+
+    async def run(self, fn, *args, expires: Deadline | None = None, before: Callable[[], Any] | None = None,
+                  work: str | None = None, samples: int = 0):
+        """Run `fn(*args)` once the thread is free; `before` runs first, under the lock."""
+        self.queued += 1
+        acquired = False
+        try:
+            async with self.lock:
+                self.queued -= 1
+                acquired = True
+                if expires is not None and expires.passed():
+                    raise Unavailable("the request expired while it queued")
+                if before is not None:
+                    before()
+                return await self.run_locked(fn, *args, work=work, samples=samples)
+        finally:
+            if not acquired:
+                self.queued -= 1
+
+    async def run_locked(self, fn, *args, work: str | None = None, samples: int = 0):
+        """Run on the thread, the lock already held by the caller. Shielded: a cancelled caller must not
+        release the lock while the thread still works (a step could then read gradients half accumulated).
+
+        Only forward and backward passes (`work`) count toward the throughput figures: an optimizer step
+        costs every replica of a stage the same whatever share of the samples it served, so counting it
+        would make a server look slower the more replicas its stage has."""
+        start = time.perf_counter()
+        job = asyncio.get_running_loop().run_in_executor(self._executor, self._slowed, fn, *args)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            await asyncio.wait([job])
+            raise
+        finally:
+            elapsed = time.perf_counter() - start
+            self.busy_seconds += elapsed
+            if work is not None:
+                self.count_work(work, samples, self._cost if self.cost_by_cpu else elapsed)
+
+    def _slowed(self, fn, *args):
+        """Run `fn`, then idle `slowdown - 1` times its CPU time: a slower machine, to the swarm.
+
+        The thread's CPU time, not its wall time, so that a host shared with other servers (whose
+        processes delay this one) does not slow it down further. For the same reason, when this thread
+        does all of the work, its CPU time (times the slowdown) is what the work costs in the throughput
+        figures: waiting for a core that other processes, or this server's own network thread, hold says
+        nothing of the server's speed, and a figure that fell whenever a server got busy would move
+        servers back and forth."""
+        start = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            used = time.thread_time() - start
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * used)
+            self._cost = used * self.slowdown
+
+    async def idle(self) -> None:
+        """Wait for the job in progress (if any) to finish."""
+        async with self.lock:
+            pass
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,215 @@
+"""The server's answers to each call of the protocol (called by `swarm.net.servicer.StageServicer`).
+
+A microbatch's path through a stage, as the handlers see it: `forward` admits the call (for this stage,
+from a compatible caller, not stale), checks its tensors, and runs the stage (the last stage also runs
+its loss and backward, accumulating the gradient, in the same call); `backward` runs the backward of a
+kept forward graph (or recomputes it) and accumulates the stage's parameter gradients, once per
+microbatch id (`StageRuntime.accumulates`); a repeat of a gradient call is answered from the reply
+cache. Accumulated gradients wait for the stage's step (`swarm.server.stepping`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from swarm.config import ModelConfig, ServerConfig
+from swarm.net.directory import short
+from swarm.net.protocol import Tagged
+from swarm.server.batching import RECOMPUTE, Batcher
+from swarm.server.gate import ComputeGate, Deadline
+from swarm.server.replies import Reply, ReplyCache
+from swarm.server.stage import ServedStage
+from swarm.wire.calls import LedgerQuery, StageCall, StageQuery
+from swarm.wire.validate import BadRequest, TensorSpec, Unavailable, check_same_batch, check_tensor
+
+log = logging.getLogger("swarm.server")
+
+
+class StageHandlers:
+    """Answers calls for whatever stage the server serves at the moment (`stage`; None between stages)."""
+
+    def __init__(self, model: ModelConfig, server: ServerConfig, config_hash: str, max_request_bytes: int,
+                 gate: ComputeGate, stopping: Callable[[], bool]):
+        self.model = model
+        self.server = server
+        self.hash = config_hash
+        self.max_request_bytes = max_request_bytes
+        self.gate = gate
+        self.stopping = stopping
+        self.stage: ServedStage | None = None
+        self.batcher: Batcher | None = None
+        self.replies = ReplyCache()
+        self.reduce_with: Callable[[dict, list, str], Any] | None = None  # the stage's all-reduce
+
+    def enter(self, stage: ServedStage, batcher: Batcher, reduce_with: Callable) -> None:
+        self.stage, self.batcher, self.reduce_with = stage, batcher, reduce_with
+        self.replies = ReplyCache()
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def _serving(self, stage: int) -> ServedStage:
+        """Callers find servers through the DHT, whose view lags: one that still takes this server for a
+        replica of a stage it left (or is leaving) is sent elsewhere."""
+        st = self.stage
+        if self.stopping():
+            raise Unavailable("server is shutting down")
+        if st is None or not st.serving:
+            raise Unavailable("server is between stages")
+        if stage != st.index:
+            raise Unavailable(f"this server hosts stage {st.index}, not {stage!r}")
+        return st
+
+    def _admit(self, call: StageCall, new_work: bool) -> ServedStage:
+        """The stage, once the call is known to be for it, from a compatible caller, not stale. `new_work`:
+        a microbatch new to this server, which it no longer takes once it is moving."""
+        st = self._serving(call.stage)
+        if call.config != self.hash:
+            raise BadRequest(f"config hash {call.config!r} differs from this server's {self.hash}")
+        if st.moving_to is not None and (new_work or st.drained):
+            raise Unavailable(f"this server is moving to stage {st.moving_to}")
+        self._refuse_if_stale(st, call.epoch)
+        return st
+
+    def _refuse_if_stale(self, st: ServedStage, stage_epoch: int) -> None:
+        """Stale replicas never serve: a caller that has seen the stage at a later epoch than ours is
+        turned away (it retries elsewhere), and this replica catches up before it serves again."""
+        epoch = st.runtime.epoch
+        if stage_epoch <= epoch or st.round_epoch == epoch:
+            return  # (in a round to that epoch: the request waits for it behind the gate)
+        st.counters["stale_refusals"] += 1
+        if st.stale_logged != epoch:
+            st.stale_logged = epoch
+            log.warning("stage %d server %s is at epoch %d but the stage is at %d: catching up before serving",
+                        st.index, st.label, epoch, stage_epoch)
+        st.wake.set()
+        raise Unavailable(f"stale replica: at epoch {epoch}, the stage is at {stage_epoch}")
+
+    def refused(self, method: str, caller: str, error: BadRequest) -> None:
+        """One log line per refused request; the caller got the same text back."""
+        if self.stage is not None:
+            self.stage.counters["refused"] += 1
+        log.warning("%s from %s refused: %s", method, short(caller), error.args[0])
+
+    # ---- checks on tensors -------------------------------------------------------------------
+
+    def _check_forward(self, st: ServedStage, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        limit = self.server.max_request_samples
+        if not st.runtime.is_last:
+            if len(tensors) != 1:
+                raise BadRequest(f"forward takes one tensor, got {len(tensors)}")
+            check_tensor("inputs", tensors[0], st.in_spec, limit)
+            return tensors[0], None
+        if len(tensors) != 2:
+            raise BadRequest(f"the last stage takes (inputs, targets), got {len(tensors)} tensors")
+        x, targets = tensors
+        check_tensor("inputs", x, st.in_spec, limit)
+        check_tensor("targets", targets, TensorSpec(torch.int64, x.shape[1:2], self.model.vocab_size), limit)
+        check_same_batch(("inputs", x), ("targets", targets))
+        return x, targets
+
+    def _check_backward(self, st: ServedStage, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if st.out_spec is None:
+            raise BadRequest("the last stage runs its backward within forward")
+        if len(tensors) != 2:
+            raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
+        x, dy = tensors
+        check_tensor("inputs", x, st.in_spec, self.server.max_request_samples)
+        check_tensor("grad_outputs", dy, st.out_spec, self.server.max_request_samples)
+        check_same_batch(("inputs", x), ("grad_outputs", dy))
+        return x, dy
+
+    # ---- the protocol ------------------------------------------------------------------------
+
+    async def forward(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        call = StageCall.from_meta(meta)
+        st = self._admit(call, new_work=True)
+        key = f"{caller}/{call.req}"
+        x, targets = self._check_forward(st, tensors)
+        if targets is not None and (cached := self._repeat(st, key)) is not None:
+            return cached
+        st.counters["samples_served"] += x.shape[0]  # a repeat answered from the cache is not counted again
+        if targets is None:
+            y = await self.batcher.forward(key, x)
+            await self._delay_reply(st, "forward")
+            return {"epoch": st.runtime.epoch}, [Tagged("activations", y)]
+        loss, grad = await self.gate.run(
+            st.runtime.forward_backward_last, key, x, targets, call.accumulate, expires=Deadline.of(call),
+            before=st.drop_if_lapsed, work="forward", samples=x.shape[0],
+        )
+        await self._delay_reply(st, "forward")
+        return self._remember_gradient_reply(st, key, {"loss": loss}, grad)
+
+    async def backward(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        call = StageCall.from_meta(meta)
+        st = self._admit(call, new_work=False)
+        key = f"{caller}/{call.req}"
+        x, dy = self._check_backward(st, tensors)
+        if (cached := self._repeat(st, key)) is not None:
+            return cached
+        accumulate = call.accumulate and st.runtime.accumulates(key)
+        graph = st.runtime.live_graph(key)
+        grad = RECOMPUTE
+        if accumulate and graph is not None and graph.size > 1:
+            grad = await self.batcher.backward(graph, key, dy)
+        if grad is RECOMPUTE:
+            grad = await self.gate.run(
+                st.runtime.backward, key, x, dy, accumulate, expires=Deadline.of(call), before=st.drop_if_lapsed,
+                work="backward", samples=x.shape[0],
+            )
+        await self._delay_reply(st, "backward")
+        return self._remember_gradient_reply(st, key, {}, grad)
+
+    async def state(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        st = self._serving(StageQuery.from_meta(meta).stage)
+        state, tensors = await self.gate.run(st.runtime.state)
+        return state, [Tagged("state", t) for t in tensors]
+
+    async def ledger(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        """Where the caller's microbatches stand here: committed by a step (and at which epoch), held in
+        this replica's unstepped gradient, or neither. `durable` is the newest epoch that would outlive
+        this replica: on disk when the stage keeps checkpoints, else reached by a step two or more
+        replicas took (or loaded from a peer)."""
+        query = LedgerQuery.from_meta(meta)
+        st = self._serving(query.stage)
+        keys = {f"{caller}/{r}": r for r in query.ids}
+        rt = st.runtime
+        # read in the reverse order of a step's writes (commit, unpend, epoch; see apply_step) so that a
+        # step running meanwhile cannot make a microbatch look neither pending nor committed
+        epoch = rt.epoch
+        pending = [r for k, r in keys.items() if k in rt.pending]
+        committed = {r: e for k, r in keys.items() if (e := rt.committed.get(k)) is not None}
+        return {"epoch": epoch, "committed": committed, "pending": pending, "durable": st.durable_epoch}, []
+
+    async def reduce(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        self._serving(StageQuery.from_meta(meta).stage)
+        return await self.reduce_with(meta, tensors, caller)
+
+    # ---- replies -----------------------------------------------------------------------------
+
+    def _repeat(self, st: ServedStage, key: str) -> Reply | None:
+        """The reply to a repeat of a gradient call whose gradient this stage already holds or stepped
+        (a call whose reply was lost). A repeat that would accumulate something new is computed."""
+        return None if st.runtime.accumulates(key) else self.replies.repeat(key, st.runtime.epoch)
+
+    def _remember_gradient_reply(self, st: ServedStage, key: str, meta: dict[str, Any],
+                                 grad: torch.Tensor | None) -> Reply:
+        """The reply of a call that accumulated a gradient (a backward, or the last stage's forward, which
+        runs its backward too), kept so that a repeat of it costs no compute; and the stage may have just
+        reached its batch size, so the step plan looks again."""
+        reply = {"epoch": st.runtime.epoch, **meta}, [] if grad is None else [Tagged("gradients", grad)]
+        self.replies.remember(key, reply)
+        st.wake.set()
+        return reply
+
+    async def _delay_reply(self, st: ServedStage, work: str) -> None:
+        """`server.reply_delay`: the reply waits, and the wait counts as time this pass took, so the
+        announced throughput (and with it the share of work stochastic wiring sends here) falls."""
+        delay = self.server.reply_delay
+        if delay:
+            st.work.count(work, 0, delay)
+            await asyncio.sleep(delay)

@@ -1,0 +1,235 @@
+"""A stage server's life: join the swarm, enter a stage (build it, take its newest state, announce),
+serve and step until told to stop or to move, leave the stage (finish what it accepted), and move on
+to another stage or out of the swarm.
+
+What runs while it serves a stage, one job each: the announcer (`announcing`), the step loop
+(`stepping`), the forward batcher (`batching`) and, with rebalancing on, the mover (`moving`); the
+request handlers (`handlers`) answer calls throughout. All torch work goes through one compute gate
+(`gate`). Everything that belongs to the stage is built fresh on each entry (`stage.ServedStage`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from swarm.averaging.allreduce import StageAllReduce
+from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
+from swarm.net.directory import short
+from swarm.net.join import JoinServicer
+from swarm.net.node import visible_addresses
+from swarm.net.peer import SwarmPeer, join
+from swarm.net.protocol import Traffic
+from swarm.net.servicer import StageServicer
+from swarm.results import PeerResults
+from swarm.server.announcing import Announcer
+from swarm.server.batching import Batcher
+from swarm.server.gate import ComputeGate
+from swarm.server.handlers import StageHandlers
+from swarm.server.moving import Mover, least_served_stage
+from swarm.server.stage import ServedStage
+from swarm.server.stepping import Stepper
+from swarm.server.transfer import StateTransfer
+
+log = logging.getLogger("swarm.server")
+
+
+def _ignore_cancelled_stream_handlers(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Python 3.11's stream-server callback calls `task.exception()` on a cancelled handler task (fixed
+    in 3.12), so every RPC stream still open when a server leaves would print a CancelledError
+    traceback. Those cancellations are the intended end of the stream; everything else is reported."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        log.debug("stream handler cancelled at shutdown: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
+
+
+@dataclass
+class StageJobs:
+    """What serves one stage, built on entry and stopped on leaving."""
+
+    stage: ServedStage
+    batcher: Batcher
+    announcer: Announcer
+    transfer: StateTransfer
+    stepper: Stepper
+    mover: Mover
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class StageServer:
+    def __init__(self, cfg: SwarmConfig):
+        self.cfg = cfg
+        self.agreed = agreed(cfg)
+        self.hash = config_hash(cfg)
+        self.traffic = Traffic()  # bytes on the wire by role, since this server entered its stage
+        self.results = PeerResults(cfg.run_dir)
+        self.rng = random.Random()
+        self.peer: SwarmPeer | None = None
+        self.stage: ServedStage | None = None
+
+    @property
+    def label(self) -> str:
+        """How logs name this server: the operator's name for it, if any, and the tail of its peer id."""
+        tail = short(self.peer.peer_id) if self.peer is not None else "(starting)"
+        return f"{self.cfg.server.name} {tail}" if self.cfg.server.name else tail
+
+    def run(self) -> None:
+        asyncio.run(self.serve())
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        cfg = self.cfg
+        if cfg.server.threads:
+            torch.set_num_threads(cfg.server.threads)
+        self.stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stop.set)
+        loop.set_exception_handler(_ignore_cancelled_stream_handlers)
+        self.gate = ComputeGate(cfg.server.slowdown, cfg.server.device == "cpu" and torch.get_num_threads() == 1)
+        self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
+                                      self.gate, self.stop.is_set)
+        self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
+        try:
+            await self._check_configs()
+            p2p, half_rtt = self.peer.p2p, cfg.net.emulated_rtt_ms / 2000
+            await JoinServicer(p2p).add_p2p_handlers(p2p)
+            await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
+                                half_rtt).add_p2p_handlers(p2p)
+            stage = cfg.server.stage
+            if cfg.server.auto_stage:
+                stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
+            while True:
+                jobs = await self._enter(stage)
+                target = await self._serve_until_stop_or_move(jobs)
+                await self._leave(jobs, target)
+                if target is None:
+                    break
+                self._write_summary()  # the summary of the stage it leaves, as a replica that left
+                stage = target
+        finally:
+            self._write_summary()
+            self.gate.close()
+            self.peer.leave()
+
+    async def _check_configs(self) -> None:
+        for records in (await self.peer.directory.stages(self.cfg.model.num_stages)).values():
+            for r in records:
+                if r.config_hash != self.hash:
+                    raise ConfigMismatch(
+                        f"server {short(r.peer_id)} of stage {r.stage} runs with other settings "
+                        f"({describe_mismatch(self.agreed, r.agreed())}); "
+                        "use the same model and optim sections and swarm version, or another net.run_id"
+                    )
+
+    def _results_name(self, stage: int) -> str:
+        return f"server-s{stage}-{self.peer.peer_id[-8:]}"
+
+    async def _enter(self, index: int) -> StageJobs:
+        """Build the stage's module, take its newest state (from disk or from its live replicas), announce."""
+        cfg, peer, gate = self.cfg, self.peer, self.gate
+        self.traffic.counts.clear()
+        st = await gate.run(ServedStage.build, cfg.model, cfg.optim, cfg.server, index, peer.peer_id, self.label)
+        st.busy_start = gate.busy_seconds
+        gate.count_work = st.work.count
+        batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)
+        announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st)
+        name = self._results_name(index)
+        transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout)
+        allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal)
+        stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,
+                          allreduce, announcer, transfer, self.results, f"{name}.steps.jsonl", self.rng)
+        mover = Mover(st, peer.peer_id, cfg.server.name, self.hash, cfg.model.num_stages, cfg.rebalance,
+                      cfg.server.leave_timeout, peer.directory, gate, batcher, announcer, self.results, self.rng)
+        self.stage = st
+        self.handlers.enter(st, batcher, allreduce.contribute)
+        transfer.resume_from_disk()
+        ahead = [r for r in await peer.directory.stage(index) if r.epoch > st.runtime.epoch]
+        if ahead:
+            await transfer.download(ahead)
+        st.serving = True
+        log.info("stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
+                 index, self.label, " ".join(visible_addresses(peer.dht)), st.runtime.epoch, cfg.server.device)
+        await announcer.announce()
+        return StageJobs(st, batcher, announcer, transfer, stepper, mover)
+
+    async def _serve_until_stop_or_move(self, jobs: StageJobs) -> int | None:
+        """Run the stage's jobs until the server is stopped (None) or the mover has drained it (the target)."""
+        loops = [jobs.announcer.loop(), jobs.stepper.loop(), jobs.batcher.loop()]
+        if self.cfg.rebalance.enabled:
+            loops.append(jobs.mover.loop())
+        jobs.tasks = [asyncio.create_task(t) for t in loops]
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.stop, jobs.mover.moved)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        return None if self.stop.is_set() else jobs.stage.moving_to
+
+    async def _leave(self, jobs: StageJobs, target: int | None) -> None:
+        """Stop taking work, withdraw from the stage, finish what was accepted, then go (bounded in time):
+        out of the swarm, or on to stage `target`.
+
+        New requests are already answered "shutting down" (trainers retry them elsewhere). Gradients
+        this replica holds but has not stepped leave with it (`lost_samples` in the summary counts
+        them); trainers accumulate them again elsewhere once its record is gone.
+        """
+        st, started = jobs.stage, time.monotonic()
+        st.serving = False
+        log.info("stage %d server %s %s", st.index, self.label,
+                 "leaving" if target is None else f"moving to stage {target}")
+        announcer, stepper, batcher, *others = jobs.tasks
+        for task in (announcer, *others):
+            task.cancel()
+        # a sync round holds the gate, so it finishes for the whole stage first; an async round's exchange
+        # (run without the gate) is called off, and its other replicas retry without this one
+        async with self.gate.lock:
+            stepper.cancel()
+        await asyncio.gather(announcer, stepper, *others, return_exceptions=True)
+        await jobs.announcer.withdraw()
+        deadline = started + self.cfg.server.leave_timeout
+        while (jobs.batcher.busy or self.gate.queued > 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        batcher.cancel()
+        await asyncio.gather(batcher, return_exceptions=True)
+        await self.gate.idle()  # let the computation in progress finish
+        if st.checkpoints is not None and st.steps:
+            await jobs.transfer.checkpoint()  # a restart continues exactly where this replica left off
+        st.counters["lost_samples"] += st.runtime.pending_samples
+        log.info("stage %d server %s left after %.1fs%s", st.index, self.label, time.monotonic() - started,
+                 f", dropping {st.runtime.pending_samples} unstepped samples" if st.runtime.pending_samples else "")
+
+    def _write_summary(self) -> None:
+        st = self.stage
+        if st is None:
+            return
+        rt = st.runtime
+        self.results.write(f"{self._results_name(st.index)}.json", {
+            "role": "server",
+            "stage": st.index,
+            "peer_id": self.peer.peer_id,
+            "epoch": rt.epoch,
+            "digest": rt.digest(),
+            "steps": len(st.steps),  # each one is in the .steps.jsonl beside this file
+            "fast_backwards": rt.fast_backwards,
+            "recomputed_backwards": rt.recomputed_backwards,
+            "duplicates": rt.duplicates,
+            "mode": self.cfg.optim.mode,
+            "reply_delay": self.cfg.server.reply_delay,
+            # local updates between each gradient's forward and its application -> gradients
+            "staleness": {str(k): n for k, n in sorted(rt.staleness.items())},
+            # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
+            "ledger": {str(e): ids for e, ids in rt.ledger().items()},
+            "throughput": st.work.meter.rate,
+            "capacity": st.work.capacity.rate,
+            "traffic": self.traffic.as_dict(),
+            "busy_seconds": self.gate.busy_seconds - st.busy_start,
+            "alive_seconds": time.time() - st.started,
+            **st.counters,
+        }, indent=1)

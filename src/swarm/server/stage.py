@@ -1,0 +1,124 @@
+"""Everything that belongs to serving one stage, built fresh each time a server enters a stage (on
+start, and on every move): the stage's module and optimizer (`StageRuntime`), what it accepts and emits,
+its throughput figures, counters, step history and the flags the server's jobs share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from swarm.config import ModelConfig, OptimConfig, ServerConfig
+from swarm.core import StageRate
+from swarm.core.stepping import PlanMemory, accept_proposal
+from swarm.model import build_stage, stage_boundary
+from swarm.server.checkpoints import CheckpointStore
+from swarm.server.runtime import StageRuntime, StepRecord
+from swarm.wire.validate import TensorSpec
+
+log = logging.getLogger("swarm.server")
+# the first windows of work at a stage carry one-off costs (first-call allocations, lazy initialization):
+# the capacity figure, which decides moves and must not be skewed for long, starts after them
+WARMUP_WINDOWS = 3
+
+
+def stage_specs(model: ModelConfig, module: torch.nn.Module) -> tuple[TensorSpec, TensorSpec | None]:
+    """What the stage accepts and emits, as its module declares it (or probed; see `stage_boundary`)."""
+    inputs, outputs = stage_boundary(model, module)
+    ids_bound = model.vocab_size if not inputs.dtype.is_floating_point else None
+    in_spec = TensorSpec(inputs.dtype, inputs.shape, max_value=ids_bound)
+    return in_spec, None if outputs is None else TensorSpec(outputs.dtype, outputs.shape)
+
+
+class WorkMeter:
+    """Samples/s of forward+backward compute, folded from windows of at least one announcement period:
+    over the last few windows for routing (`meter`), and over the last ten or so for rebalancing
+    (`capacity`), which must not move servers on a passing fluctuation."""
+
+    def __init__(self, last_stage: bool):
+        passes = ("forward",) if last_stage else ("forward", "backward")
+        self.meter = StageRate(passes, alpha=0.3)
+        self.capacity = StageRate(passes, alpha=0.1, skip=WARMUP_WINDOWS)
+        self._window: dict[str, tuple[int, float]] = {}  # pass -> (samples, seconds) since the last fold
+        self._start = time.monotonic()
+
+    def count(self, work: str, samples: int, seconds: float) -> None:
+        done, spent = self._window.get(work, (0, 0.0))
+        self._window[work] = (done + samples, spent + seconds)
+
+    def fold(self, period: float) -> None:
+        now = time.monotonic()
+        if self._window and now - self._start >= period:
+            self.meter.update(self._window)
+            self.capacity.update(self._window)
+            self._window, self._start = {}, now
+
+
+class ServedStage:
+    def __init__(self, index: int, peer_id: str, label: str, runtime: StageRuntime, in_spec: TensorSpec,
+                 out_spec: TensorSpec | None, checkpoints: CheckpointStore | None):
+        self.index = index
+        self.peer_id = peer_id
+        self.label = label  # how logs name this server
+        self.runtime = runtime
+        self.in_spec, self.out_spec = in_spec, out_spec
+        self.checkpoints = checkpoints
+        self.work = WorkMeter(runtime.is_last)
+        self.steps: list[StepRecord] = []
+        self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0,
+                         "samples_served": 0}
+        self.started = time.time()
+        self.since = time.monotonic()
+        self.busy_start = 0.0  # the compute gate's busy seconds when the server entered the stage
+        self.wake = asyncio.Event()  # the stage may be ready to step: look now
+        self.plan = PlanMemory()  # what the step plan carries between looks
+        self.proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began, accepted
+        self.round_epoch: int | None = None  # the epoch whose step round is running
+        self.durable_epoch = 0  # the newest epoch that outlives this replica (see the `ledger` handler)
+        self.lapsed = False  # the process stalled so long that its DHT record may have lapsed
+        self.serving = False  # between entering the stage and leaving it
+        self.moving_to: int | None = None  # the stage this server is about to move to
+        self.drained = False  # moving, and done with this stage's work: it takes no more of it
+        self.stale_logged = -1  # the last epoch at which this replica said it is behind
+
+    @classmethod
+    def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,
+              label: str) -> ServedStage:
+        """The stage at its initial weights (run on the compute thread: building may take a while)."""
+        module = build_stage(model, index)  # this stage alone, where the model spec allows it
+        in_spec, out_spec = stage_specs(model, module)
+        runtime = StageRuntime(module, optim, server.device, server.autocast, server.graph_ttl)
+        checkpoints = (CheckpointStore(server.checkpoint_dir, index, server.keep_checkpoints)
+                       if server.checkpoint_dir else None)
+        return cls(index, peer_id, label, runtime, in_spec, out_spec, checkpoints)
+
+    @property
+    def tenure(self) -> float:
+        return time.monotonic() - self.since
+
+    def accept_proposal(self, epoch: int, group: tuple[str, ...]) -> bool:
+        """A groupmate began the round for `epoch` with `group` (see swarm.averaging.allreduce): join it
+        unless the step plan objects (`swarm.core.stepping.accept_proposal`), waking the step loop."""
+        if not accept_proposal(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
+            return False
+        self.proposal = (epoch, group)
+        self.wake.set()
+        return True
+
+    def drop_if_lapsed(self) -> bool:
+        """A replica that stalled long enough for its DHT record to lapse has been taken for dead:
+        trainers accumulate the gradients it held again elsewhere. So it drops them before anything
+        else, or they would enter a step twice. Call with the compute gate held."""
+        if not self.lapsed:
+            return False
+        self.lapsed = False
+        if not self.runtime.pending_samples:
+            return False
+        lost = self.runtime.discard_gradients()
+        self.counters["lost_samples"] += lost
+        log.warning("stage %d server %s was taken for gone: dropping %d unstepped samples, which trainers "
+                    "send again", self.index, self.label, lost)
+        return True

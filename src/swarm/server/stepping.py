@@ -1,0 +1,179 @@
+"""The stage's optimizer step, as one replica takes part in it.
+
+Each look (every 0.25 s, or when woken: a gradient came in, a groupmate began a round, a request showed
+us stale) gathers a `StepView` from the DHT and asks the pure step plan (`swarm.core.stepping.plan_step`)
+what to do: wait, catch up from a replica further along, or step with a group. A sync step all-reduces
+the group's gradients and applies the same AdamW step on every replica, holding the compute gate for the
+whole round; an async round averages the replicas' weights while they go on serving (see
+`swarm.server.runtime`). Each step is logged as it happens, announced, and checkpointed every
+`server.checkpoint_every` steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+from swarm.averaging.allreduce import RoundFailed, StageAllReduce, WeightsDiverged
+from swarm.config import NetConfig, OptimConfig
+from swarm.core import backoff_delay
+from swarm.core.stepping import (
+    CatchUp,
+    Decision,
+    Replica,
+    Step,
+    StepView,
+    plan_step,
+    suspect,
+)
+from swarm.net.directory import Directory, short
+from swarm.results import PeerResults
+from swarm.server.announcing import Announcer
+from swarm.server.gate import ComputeGate
+from swarm.server.runtime import StepRecord
+from swarm.server.stage import ServedStage
+from swarm.server.transfer import StateTransfer
+from swarm.wire.records import ServerRecord
+
+log = logging.getLogger("swarm.server")
+LOOK_EVERY = 0.25  # seconds between looks when nothing wakes the step loop
+
+
+class Stepper:
+    def __init__(self, stage: ServedStage, peer_id: str, optim: OptimConfig, net: NetConfig, checkpoint_every: int,
+                 gate: ComputeGate, directory: Directory, allreduce: StageAllReduce, announcer: Announcer,
+                 transfer: StateTransfer, results: PeerResults, steps_file: str, rng):
+        self.stage = stage
+        self.peer_id = peer_id
+        self.target_batch_size = optim.target_batch_size
+        self.net = net
+        # a peer that looks behind, or a first peer, gets a few announcement periods to show up
+        self.grace = 3 * net.announce_period + 1.0
+        self.checkpoint_every = checkpoint_every
+        self.gate = gate
+        self.directory = directory
+        self.allreduce = allreduce
+        self.announcer = announcer
+        self.transfer = transfer
+        self.results, self.steps_file = results, steps_file
+        self.rng = rng
+
+    async def loop(self) -> None:
+        st, failures = self.stage, 0
+        while True:
+            try:
+                await asyncio.wait_for(st.wake.wait(), timeout=LOOK_EVERY)
+            except TimeoutError:
+                pass
+            st.wake.clear()
+            try:
+                decision, records = await self._look()
+                if isinstance(decision, CatchUp):
+                    await self.transfer.download([r for r in records if r.peer_id in decision.sources])
+                elif isinstance(decision, Step):
+                    await self._step(st.runtime.epoch, decision.group)
+                    failures = 0
+            except WeightsDiverged as e:
+                await self._resolve_divergence(e)
+            except RoundFailed as e:
+                failures += 1
+                st.counters["failed_rounds"] += 1
+                # left out of the next groups until their records expire
+                st.plan = suspect(st.plan, e.unreachable, time.monotonic() + self.net.record_ttl, st.runtime.epoch)
+                log.warning("stage %d step %d round failed (%s); retrying", st.index, st.runtime.epoch + 1, e)
+                await asyncio.sleep(backoff_delay(failures, 0.2, 3.0, self.rng))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("step loop error")
+                await asyncio.sleep(1.0)
+
+    async def _look(self) -> tuple[Decision, list[ServerRecord]]:
+        """Gather the view, ask the plan, remember what it says to remember."""
+        st = self.stage
+        records, trainers = await asyncio.gather(self.directory.stage(st.index), self.directory.trainers())
+        proposal, st.proposal = st.proposal, None
+        view = StepView(
+            now=time.monotonic(), me=self.peer_id, epoch=st.runtime.epoch, pending=st.runtime.pending_samples,
+            others=tuple(Replica(r.peer_id, r.epoch, r.pending) for r in records if r.peer_id != self.peer_id),
+            trainers=len(trainers), trainers_done=all(t.done for t in trainers), proposal=proposal,
+            target_batch_size=self.target_batch_size, grace=self.grace,
+        )
+        decision, st.plan = plan_step(view, st.plan)
+        return decision, records
+
+    async def _resolve_divergence(self, error: WeightsDiverged) -> None:
+        """Replicas at one epoch hold different weights (they once stepped without each other): the
+        replica with the smallest peer id keeps its weights and the others take them."""
+        st, keeper = self.stage, min(error.group)
+        log.warning("stage %d replicas diverged at epoch %d (%s); %s", st.index, st.runtime.epoch, error,
+                    "keeping ours" if keeper == self.peer_id else f"taking the weights of {short(keeper)}")
+        if keeper != self.peer_id:
+            view = [r for r in await self.directory.stage(st.index) if r.peer_id == keeper]
+            await self.transfer.download(view, force=True)
+
+    async def _step(self, epoch: int, group: tuple[str, ...]) -> None:
+        st = self.stage
+        round_ = self._average_round if st.runtime.asynchronous else self._sync_round
+        record = await round_(epoch, group)
+        if record is None:
+            return
+        st.steps.append(record)
+        self.results.append(self.steps_file, asdict(record))
+        if record.group > 1 and st.checkpoints is None:  # with checkpoints, only the disk counts
+            st.durable_epoch = record.epoch
+        if st.runtime.asynchronous:
+            log.info("stage %d average %d: %d samples from %d replica(s), lr %.2e, mean delta norm %.3f, "
+                     "drift %.4f", st.index, record.epoch, record.samples, record.group, record.lr,
+                     record.grad_norm, record.drift)
+        else:
+            log.info("stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
+                     st.index, record.epoch, record.samples, record.group, record.lr, record.grad_norm)
+        await self.announcer.announce()
+        if st.checkpoints is not None and record.epoch % self.checkpoint_every == 0:
+            await self.transfer.checkpoint()
+
+    async def _sync_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
+        """All-reduce the stage's gradients and step, holding the gate throughout."""
+        st = self.stage
+        async with self.gate.lock:
+            if st.drop_if_lapsed() or st.runtime.epoch != epoch:
+                return None
+            st.plan = replace(st.plan, behind_since={})  # a peer behind after this round is waited for anew
+            st.round_epoch = epoch
+            try:
+                samples, ids = st.runtime.pending_samples, sorted(st.runtime.pending)
+                flat = await self.gate.run_locked(st.runtime.flat_grad)
+                mean, samples, ids = await self._reduce(epoch, group, flat, samples, ids)
+                return await self.gate.run_locked(st.runtime.apply_step, mean, samples, len(group), ids)
+            finally:
+                st.round_epoch = None
+
+    async def _average_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
+        """Average the replicas' weights (async mode); serving goes on while the deltas travel."""
+        st = self.stage
+        async with self.gate.lock:
+            if st.drop_if_lapsed() or st.runtime.epoch != epoch:
+                return None
+            st.plan = replace(st.plan, behind_since={})  # a peer behind after this round is waited for anew
+            own = await self.gate.run_locked(st.runtime.begin_average)
+        st.round_epoch = epoch
+        try:
+            mean, samples, ids = await self._reduce(epoch, group, own.contribution, own.samples, own.ids)
+            async with self.gate.lock:
+                return await self.gate.run_locked(st.runtime.finish_average, own, mean, samples, len(group), ids)
+        finally:
+            st.round_epoch = None
+
+    async def _reduce(
+        self, epoch: int, group: tuple[str, ...], flat: torch.Tensor, samples: int, ids: list[str]
+    ) -> tuple[torch.Tensor, int, list[str]]:
+        """The stage's sample-weighted mean of `flat` (sums over samples), its samples and microbatches."""
+        if len(group) == 1:
+            return flat / max(samples, 1), samples, ids
+        result = await self.allreduce.run(epoch, group, flat, samples, self.stage.runtime.last_digest, ids)
+        return result.mean, result.samples, result.ids
