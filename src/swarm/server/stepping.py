@@ -173,7 +173,7 @@ class Stepper:
         self, epoch: int, group: tuple[str, ...], flat: torch.Tensor, samples: int, ids: list[str]
     ) -> tuple[torch.Tensor, int, list[str]]:
         """The stage's sample-weighted mean of `flat` (sums over samples), its samples and microbatches."""
-        if len(group) == 1:
-            return flat / max(samples, 1), samples, ids
+        if len(group) == 1:  # in place: a stage's whole gradient is large, and nothing else reads `flat`
+            return flat.div_(max(samples, 1)), samples, ids
         result = await self.allreduce.run(epoch, group, flat, samples, self.stage.runtime.last_digest, ids)
         return result.mean, result.samples, result.ids
