@@ -102,25 +102,25 @@ def reduce(*rounds) -> torch.Tensor:
 @pytest.mark.parametrize("optim", [ASYNC, NAG], ids=["adamw", "nag"])
 def test_an_averaging_round_leaves_every_replica_the_same_anchor(optim: OptimConfig) -> None:
     a, b = two_replicas(optim)
-    anchor = a.anchor.clone()
+    anchor = a.averaging.flat.clone()
     a.backward("a1", hidden(2, seed=10), hidden(2, seed=11))
     a.backward("a2", hidden(2, seed=12), hidden(2, seed=13))
     b.backward("b1", hidden(4, seed=14), hidden(4, seed=15))
     own_a, own_b = a.begin_average(), b.begin_average()
     assert (own_a.samples, own_b.samples) == (4, 4)
     b.backward("b2", hidden(2, seed=16), hidden(2, seed=17))  # b learns on while the round runs
-    late = b._flat_averaged() - own_b.snapshot
+    late = b.averaging.current() - own_b.snapshot
 
     mean = reduce(own_a, own_b)
     rec_a = a.finish_average(own_a, mean, 8, 2, ["a1", "a2", "b1"])
     rec_b = b.finish_average(own_b, mean, 8, 2, ["a1", "a2", "b1"])
 
     expected = anchor + ((own_a.snapshot - anchor) * 4 + (own_b.snapshot - anchor) * 4) / 8
-    assert_within(a.anchor, expected, 1e-6)
-    assert torch.equal(a.anchor, b.anchor) and rec_a.digest == rec_b.digest == a.digest() == b.digest()
-    assert torch.equal(a._flat_averaged(), a.anchor) and rec_a.drift == 0.0  # a did nothing meanwhile
-    assert_within(b._flat_averaged() - b.anchor, late, 1e-6)  # b keeps what it learned meanwhile
-    assert rec_b.drift == pytest.approx(float(late.norm() / b.anchor.norm()), rel=1e-4) and rec_b.drift > 0
+    assert_within(a.averaging.flat, expected, 1e-6)
+    assert torch.equal(a.averaging.flat, b.averaging.flat) and rec_a.digest == rec_b.digest == a.digest() == b.digest()
+    assert torch.equal(a.averaging.current(), a.averaging.flat) and rec_a.drift == 0.0  # a did nothing meanwhile
+    assert_within(b.averaging.current() - b.averaging.flat, late, 1e-6)  # b keeps what it learned meanwhile
+    assert rec_b.drift == pytest.approx(float(late.norm() / b.averaging.flat.norm()), rel=1e-4) and rec_b.drift > 0
     assert a.epoch == b.epoch == 1
     assert b.pending == {"b2": 2} and b.pending_samples == 2 and not a.pending  # b2 waits for the next round
     assert set(a.committed) == set(b.committed) == {"a1", "a2", "b1"}
@@ -145,11 +145,11 @@ def test_dropping_unaveraged_work_returns_to_the_anchor() -> None:
     """A replica taken for gone drops its pending microbatches (trainers send them again): their
     updates must leave its weights too, or they would count twice."""
     rt = runtime(middle_stage())
-    anchor = rt.anchor.clone()
+    anchor = rt.averaging.flat.clone()
     rt.backward("mb", hidden(2, seed=30), hidden(2, seed=31))
-    assert not torch.equal(rt._flat_averaged(), anchor)
+    assert not torch.equal(rt.averaging.current(), anchor)
     assert rt.discard_gradients() == 2
-    assert torch.equal(rt._flat_averaged(), anchor) and rt.pending_samples == 0
+    assert torch.equal(rt.averaging.current(), anchor) and rt.pending_samples == 0
 
 
 def test_a_newcomer_takes_the_anchor_not_the_sender_s_local_progress() -> None:
@@ -161,7 +161,7 @@ def test_a_newcomer_takes_the_anchor_not_the_sender_s_local_progress() -> None:
 
     b.load_state(*over_the_wire(*a.state()))
 
-    assert torch.equal(b._flat_averaged(), a.anchor) and torch.equal(b.anchor, a.anchor)
+    assert torch.equal(b.averaging.current(), a.averaging.flat) and torch.equal(b.averaging.flat, a.averaging.flat)
     assert b.digest() == a.digest() and b.epoch == 1
     assert not torch.equal(flat(a.params), flat(b.params))
     assert set(b.committed) == {"a1"} and not b.pending

@@ -178,3 +178,24 @@ def test_relative_imports_resolve():
         "swarm.core.b.c",
         "swarm.d",
     ]
+
+
+MAX_MODULE_LINES = 400  # a module a reader can hold in their head: one role each
+
+
+def test_no_module_is_a_room_to_get_lost_in():
+    long = [f"{path.relative_to(SRC.parent)}: {n} lines" for path, _, _ in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_step_decision_is_pure_and_the_server_only_carries_it_out():
+    """When and with whom a stage steps is `swarm.core.stepping.plan_step`; the server's step loop
+    calls it and decides nothing of its own."""
+    modules = {module: tree for _, module, tree in _modules()}
+    defined = {node.name for node in ast.walk(modules["swarm.core.stepping"]) if isinstance(node, ast.FunctionDef)}
+    assert {"plan_step", "accept_proposal"} <= defined
+    called = {node.func.id for node in ast.walk(modules["swarm.server.stepping"])
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
+    assert "plan_step" in called
+    assert "stage_ready" not in called and "expected_group" not in called

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from swarm.core.partition import split_evenly
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -79,13 +80,33 @@ class WeightsDiverged(RoundFailed):
 
 def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal slices of a vector of `total` elements."""
-    base, extra = divmod(total, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return [(r.start, r.stop) for r in split_evenly(total, parts)]
+
+
+@dataclass(frozen=True)
+class _Contribution:
+    """One member's part of a round, as its `reduce` call carries it."""
+
+    sender: str
+    epoch: int
+    group: tuple[str, ...]
+    samples: int
+    ids: list[str]
+    digest: str  # of the sender's weights, which must equal the owner's
+    part: torch.Tensor
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str) -> _Contribution:
+        try:
+            epoch, group, samples = int(meta["epoch"]), tuple(meta["group"]), int(meta["samples"])
+            ids = list(meta.get("ids", []))
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadRequest(f"malformed reduce request: {e}") from e
+        if not all(isinstance(p, str) for p in (*group, *ids)) or samples < 0:
+            raise BadRequest("malformed reduce request: group and ids must list strings and samples be >= 0")
+        if sender not in group or len(tensors) != 1:
+            raise BadRequest("reduce request from outside its own group")
+        return cls(sender, epoch, group, samples, ids, str(meta.get("digest", "")), tensors[0])
 
 
 @dataclass
@@ -231,57 +252,59 @@ class StageAllReduce:
         self, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """Owner side: take one member's part, answer with the reduced part once all are in."""
-        try:
-            epoch, group, samples = int(meta["epoch"]), tuple(meta["group"]), int(meta["samples"])
-            ids = list(meta.get("ids", []))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"malformed reduce request: {e}") from e
-        if not all(isinstance(p, str) for p in (*group, *ids)) or samples < 0:
-            raise BadRequest("malformed reduce request: group and ids must list strings and samples be >= 0")
-        if sender not in group or len(tensors) != 1:
-            raise BadRequest("reduce request from outside its own group")
-        done = self._finished.get(epoch)
-        if done is not None and done.group == group and sender in done.contributions and done.result is not None:
-            return self._answer(done.result)
-        if epoch not in self._rounds:
-            if not self.on_wake(epoch, group):
-                raise BadRequest(f"this replica is not at epoch {epoch}")
-            started = self._started_event(epoch)
+        c = _Contribution.parse(meta, tensors, sender)
+        done = self._finished.get(c.epoch)
+        if done is not None and done.group == c.group and sender in done.contributions and done.result is not None:
+            return self._answer(done.result)  # a repeat of a contribution to a round that completed
+        rnd = await self._round_for(c)
+        if rnd.result is None:  # once reduced, a round's answer never changes
+            rnd.contributions[sender] = (c.part, c.samples, c.ids)
+            if len(rnd.contributions) == len(rnd.group):
+                self._reduce(rnd, c.epoch)
+        await rnd.complete.wait()
+        if rnd.result is None:
+            raise BadRequest(f"the round for epoch {c.epoch} was abandoned")
+        return self._answer(rnd.result)
+
+    async def _round_for(self, c: _Contribution) -> _Round:
+        """This owner's round for the contribution's epoch, once it agrees with the contribution: a
+        contribution that comes first proposes the round (`on_wake`), and waits for it to begin."""
+        if c.epoch not in self._rounds:
+            if not self.on_wake(c.epoch, c.group):
+                raise BadRequest(f"this replica is not at epoch {c.epoch}")
+            started = self._started_event(c.epoch)
             try:
                 await asyncio.wait_for(started.wait(), self.timeout)
             except TimeoutError as e:
-                raise BadRequest(f"no round for epoch {epoch} began here") from e
+                raise BadRequest(f"no round for epoch {c.epoch} began here") from e
             finally:
                 if not started.is_set():
-                    self._started.pop(epoch, None)
-        rnd = self._rounds.get(epoch)
-        if rnd is None or rnd.group != group:
-            theirs = ",".join(map(short, group))
+                    self._started.pop(c.epoch, None)
+        rnd = self._rounds.get(c.epoch)
+        if rnd is None or rnd.group != c.group:
+            theirs = ",".join(map(short, c.group))
             mine = ",".join(map(short, rnd.group)) if rnd else "none"
-            raise BadRequest(f"group mismatch for epoch {epoch}: sender has [{theirs}], owner has [{mine}]")
-        if meta.get("digest", "") != rnd.digest:
-            raise BadRequest(f"{DIVERGED} weights of {short(sender)} differ from the owner's at epoch {epoch}")
-        part = tensors[0]
-        if part.numel() != rnd.size or part.dtype != torch.float32:
-            raise BadRequest(f"part has {part.numel()} {part.dtype} values, expected {rnd.size} float32")
-        if rnd.result is None:  # once reduced, a round's answer never changes
-            rnd.contributions[sender] = (part, samples, ids)
-        if rnd.result is None and len(rnd.contributions) == len(rnd.group):
-            total_samples = sum(n for _, n, _ in rnd.contributions.values())
-            summed = torch.zeros(rnd.size, dtype=torch.float32)
-            for member in rnd.group:  # fixed order: the same bits whoever computes it
-                summed += rnd.contributions[member][0]
-            merged, twice = merge_ids([rnd.contributions[m][2] for m in rnd.group])
-            if twice:
-                log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
-                          ", ".join(twice[:5]))
-            mean = summed / max(total_samples, 1)
-            rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
-            rnd.complete.set()
-        await rnd.complete.wait()
-        if rnd.result is None:
-            raise BadRequest(f"the round for epoch {epoch} was abandoned")
-        return self._answer(rnd.result)
+            raise BadRequest(f"group mismatch for epoch {c.epoch}: sender has [{theirs}], owner has [{mine}]")
+        if c.digest != rnd.digest:
+            raise BadRequest(f"{DIVERGED} weights of {short(c.sender)} differ from the owner's at epoch {c.epoch}")
+        if c.part.numel() != rnd.size or c.part.dtype != torch.float32:
+            raise BadRequest(f"part has {c.part.numel()} {c.part.dtype} values, expected {rnd.size} float32")
+        return rnd
+
+    def _reduce(self, rnd: _Round, epoch: int) -> None:
+        """Sum the members' parts in the group's order (the same bits whoever computes it), divide by the
+        group's samples, pack once; merge the members' microbatch lists."""
+        total_samples = sum(n for _, n, _ in rnd.contributions.values())
+        mean = torch.zeros(rnd.size, dtype=torch.float32)
+        for member in rnd.group:
+            mean += rnd.contributions[member][0]
+        mean.div_(max(total_samples, 1))
+        merged, twice = merge_ids([rnd.contributions[m][2] for m in rnd.group])
+        if twice:
+            log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
+                      ", ".join(twice[:5]))
+        rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
+        rnd.complete.set()
 
     @staticmethod
     def _answer(result: tuple[codecs.Packed, int, list[str]]) -> tuple[dict[str, Any], list[Tagged]]:

@@ -1,5 +1,6 @@
 """Configuration: typed sections, one loader, named recipes."""
 
+from swarm.config.agreement import agreed, config_hash, describe_mismatch, model_fingerprint
 from swarm.config.loader import load_config, replace, to_toml
 from swarm.config.schema import (
     ConfigError,
@@ -14,10 +15,6 @@ from swarm.config.schema import (
     SwarmConfig,
     TrainerConfig,
     WireConfig,
-    agreed,
-    config_hash,
-    describe_mismatch,
-    model_fingerprint,
 )
 
 __all__ = [

@@ -9,14 +9,11 @@ fails at start with the field named.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import ipaddress
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from swarm.wire import PROTOCOL_VERSION
 from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, Policy
 
 
@@ -398,45 +395,3 @@ class SwarmConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def _plain(section: Any) -> dict[str, Any]:
-    """A config section as plain JSON types (tuples become lists), as peers exchange it."""
-    return json.loads(json.dumps(dataclasses.asdict(section)))
-
-
-def model_fingerprint(model: ModelConfig) -> dict[str, Any]:
-    """The model fields as plain JSON types: what peers exchange to find what differs."""
-    return _plain(model)
-
-
-def agreed(cfg: SwarmConfig) -> dict[str, Any]:
-    """Everything the peers of one run must share: the model, the optimizer and its schedule (step
-    sizes, batch, mode), and the version of the protocol. Codecs, devices and timeouts may differ
-    between peers by design (every tensor says how it is packed)."""
-    return {"model": model_fingerprint(cfg.model), "optim": _plain(cfg.optim), "protocol": PROTOCOL_VERSION}
-
-
-def config_hash(cfg: SwarmConfig) -> str:
-    """Short stable digest of `agreed(cfg)`; peers with different digests must not work together."""
-    blob = json.dumps(agreed(cfg), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def describe_mismatch(mine: dict[str, Any], theirs: dict[str, Any]) -> str:
-    """Human-readable list of differing fields, e.g. "model.d_model: 128 here, 256 there" (sections are
-    flattened into dotted names)."""
-    mine, theirs = _flat(mine), _flat(theirs)
-    keys = sorted(set(mine) | set(theirs))
-    diffs = [f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} there" for k in keys if mine.get(k) != theirs.get(k)]
-    return "; ".join(diffs) if diffs else "no field differs"

@@ -13,7 +13,8 @@ import logging
 import torch
 
 from swarm.server.gate import ComputeGate
-from swarm.server.runtime import BatchGraph, StageRuntime
+from swarm.server.records import BatchGraph
+from swarm.server.runtime import StageRuntime
 
 log = logging.getLogger("swarm.server")
 RECOMPUTE = object()  # the answer for a backward whose kept graph could not be used: recompute it

@@ -1,7 +1,8 @@
 """A stage's compute: forward, backward, gradient accumulation and the optimizer step.
 
 Everything here is synchronous torch code that runs on the server's single compute thread, so no
-locking is needed inside. Networking, batching of requests and scheduling live in the other modules of `swarm.server`.
+locking is needed inside. Networking, batching of requests and scheduling live in `swarm.server`'s
+other modules.
 
 Gradients are accumulated as *sums over samples* (the last stage back-propagates `loss * batch`), so
 an all-reduced sum divided by the stage's total sample count is the exact mean gradient of the step,
@@ -15,89 +16,31 @@ of several requests is back-propagated once for all of them (`backward_batch`): 
 request would cost a full batch backward each time.
 
 Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its
-microbatch's mean gradient at once (a local update), and the stage's replicas average their weights
-every `target_batch_size` stage samples. Each forward then runs on a copy of the weights it saw (weight
-stashing, as in PipeDream): its backward, however many local updates later it comes, is the exact
-gradient at those older weights, and is applied to the current ones. That is the staleness asynchrony
-brings (the number of updates in between is recorded per gradient), and the one NAG's look-ahead is
-meant to absorb. Averaging is by deltas from the last averaged state (the `anchor`, identical on every
-replica): each replica sends its progress since then weighted by its samples, and all take
-`anchor + mean delta` (the same bits everywhere) plus whatever they learned locally while the round
-ran. A replica's un-averaged progress is what its `pending` microbatches hold: they are committed by
-the averaging round, and a replica that drops them (it was taken for gone, or loads a peer's state)
-returns to its anchor, so a microbatch still counts exactly once in the stage's averaged weights.
+microbatch's mean gradient at once (a local update). Each forward then runs on a copy of the weights it
+saw (weight stashing, as in PipeDream): its backward, however many local updates later it comes, is the
+exact gradient at those older weights, applied to the current ones (the number of updates in between is
+recorded per gradient). The replicas' averaging rounds are `swarm.server.anchor`'s.
 
-Delivery ledger: the runtime knows which microbatches its accumulated gradient holds (`pending`) and
-which ones recent steps of the stage took in (`committed`, kept for `LEDGER_EPOCHS` epochs and sent
-along with the state). A microbatch already held or committed is never accumulated again: a repeated
-or replayed request only gets its input gradient back. That, and the step taking exactly the held
-microbatches, is what lets a trainer retry or replay a microbatch without counting it twice.
+Delivery ledger: `swarm.core.ledger` (which microbatches the gradient holds, which steps took which).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 import time
-import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from swarm.config import OptimConfig
+from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
+from swarm.server.anchor import Anchor, AverageRound
 from swarm.server.nag import NesterovCorrection
-
-
-@dataclass(eq=False)
-class BatchGraph:
-    """The autograd graph of one forward batch, awaiting its requests' output gradients."""
-
-    inputs: torch.Tensor
-    outputs: torch.Tensor
-    epoch: int
-    created: float
-    rows: dict[str, slice]  # request id -> its rows in the batch
-    version: int = 0  # of the weights the forward ran at
-    stash: dict[str, torch.Tensor] | None = None  # async: the copy of the weights it ran at
-
-    def valid_for(self, epoch: int) -> bool:
-        """A stashed graph holds its own weights; any other holds the live ones, changed by each step."""
-        return self.stash is not None or self.epoch == epoch
-
-    @property
-    def size(self) -> int:
-        return len(self.rows)
-
+from swarm.server.records import BatchGraph, StepRecord
+from swarm.server.state_io import Lender, digest, export_state, import_state
 
 LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
-
-
-@dataclass
-class StepRecord:
-    epoch: int  # the epoch this step produced
-    samples: int  # samples of the whole stage that went into it
-    group: int  # replicas that took part
-    lr: float
-    grad_norm: float
-    digest: str  # hash of the parameters after the step: equal digests mean bit-identical replicas
-    ids: list[str] = field(default_factory=list)  # the microbatches the step took in, stage-wide
-    time: float = field(default_factory=time.time)
-    # async: how far this replica's weights are from the average right after the round (relative L2
-    # norm): the local progress it made while the round ran, which it keeps
-    drift: float = 0.0
-
-
-@dataclass(frozen=True)
-class AverageRound:
-    """What an async replica brings to an averaging round, taken at one instant of its weights."""
-
-    snapshot: torch.Tensor  # the averaged tensors then, flat
-    contribution: torch.Tensor  # (snapshot - anchor) * samples: its progress, weighted by its share
-    samples: int
-    ids: list[str]  # the microbatches whose gradients that progress holds
-    generation: int  # of the anchor it started from (see StageRuntime.discard_gradients)
 
 
 class StageRuntime:
@@ -127,9 +70,7 @@ class StageRuntime:
         self.autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
         self.graph_ttl = graph_ttl
         self.epoch = 0
-        self.pending: dict[str, int] = {}  # microbatch id -> samples, accumulated since the last step
-        self.pending_samples = 0  # their sum, readable from the network thread without iterating
-        self.committed: dict[str, int] = {}  # microbatch id -> the epoch its step produced (recent steps)
+        self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
         self.duplicates = 0  # requests for microbatches already held or committed: not accumulated again
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
@@ -137,18 +78,29 @@ class StageRuntime:
         self.version = 0  # changes of the weights: steps, local updates, averaging rounds
         self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
         # async: the averaged tensors as the last round left them (bit-identical on every replica)
-        self.anchor = self._flat_averaged() if self.asynchronous else None
-        self._generation = 0  # bumped whenever the anchor is replaced or the weights return to it
-        self._lent: list[weakref.ref] = []  # the state's tensors as `state` handed them out (see _unshare)
+        # async: the averaged state as the last round left it (bit-identical on every replica)
+        self.averaging = Anchor(self.averaged_tensors, self.unshare) if self.asynchronous else None
+        self.lent = Lender()  # the state's tensors as `state` handed them out (see unshare)
         self.last_digest = self.digest()  # of the stage's agreed weights; replicas at one epoch must agree on it
+
+    @property
+    def pending(self) -> dict[str, int]:
+        return self.book.pending
+
+    @property
+    def pending_samples(self) -> int:
+        return self.book.pending_samples
+
+    @property
+    def committed(self) -> dict[str, int]:
+        return self.book.committed
 
     def accumulates(self, req_id: str) -> bool:
         """Whether a gradient for `req_id` would be new to the stage's ledger (else it is a duplicate)."""
-        return req_id not in self.pending and req_id not in self.committed
+        return self.book.accumulates(req_id)
 
     def _hold(self, req_id: str, samples: int, version: int) -> None:
-        self.pending[req_id] = samples
-        self.pending_samples += samples
+        self.book.hold(req_id, samples)
         stale = self.version - version
         self.staleness[stale] = self.staleness.get(stale, 0) + 1
 
@@ -322,7 +274,7 @@ class StageRuntime:
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm or math.inf))
-        self._unshare()
+        self.unshare()
         lr = self.lr()
         for group_ in self.optimizer.param_groups:
             group_["lr"] = lr
@@ -364,8 +316,8 @@ class StageRuntime:
         ids = sorted(self.pending) if ids is None else ids
         # the network thread reads the ledger while this runs: commit first, then forget what was
         # pending, then move the epoch, so a reader always finds a microbatch in one or the other
-        self._commit(ids, self.epoch + 1)
-        self.pending, self.pending_samples = {}, 0
+        self.book.commit(ids, self.epoch + 1)
+        self.book.clear_pending()
         self.epoch += 1
         self.graphs.clear()
         self.last_digest = self.digest()
@@ -373,7 +325,7 @@ class StageRuntime:
 
     # ---- async: averaging rounds -----------------------------------------------------------------
 
-    def _averaged(self) -> list[torch.Tensor]:
+    def averaged_tensors(self) -> list[torch.Tensor]:
         """The tensors replicas average: the parameters, and NAG's `w_t` (without it, the shift an
         average makes to the served look-ahead point would enter the next correction as velocity).
         AdamW's moments stay each replica's own: statistics of its own gradients, which only scale its
@@ -383,57 +335,22 @@ class StageRuntime:
             tensors += [self.optimizer.state[p]["base"] for p in self.params]
         return tensors
 
-    def _flat_averaged(self) -> torch.Tensor:
-        return torch.cat([t.detach().float().reshape(-1).cpu() for t in self._averaged()])
-
-    @torch.no_grad()
-    def _set_averaged(self, flat: torch.Tensor) -> None:
-        self._unshare()
-        offset = 0
-        for t in self._averaged():
-            n = t.numel()
-            t.copy_(flat[offset : offset + n].view_as(t).to(device=t.device, dtype=t.dtype))
-            offset += n
-
     def begin_average(self) -> AverageRound:
         """This replica's part of an averaging round, as its weights stand now (it goes on updating)."""
-        snapshot = self._flat_averaged()
-        samples = self.pending_samples
-        return AverageRound(snapshot, (snapshot - self.anchor) * samples, samples,
-                            sorted(self.pending), self._generation)
+        return self.averaging.begin(self.pending_samples, sorted(self.pending))
 
     def finish_average(
         self, own: AverageRound, mean_delta: torch.Tensor, samples: int, group: int, ids: list[str]
     ) -> StepRecord:
-        """Move the anchor by the stage's mean delta and keep the local progress made since `own` was
-        taken. The new anchor is the same bits on every replica of the round; the live weights differ
-        from it by that local progress only (`drift`)."""
-        anchor = self.anchor + mean_delta
-        current = self._flat_averaged()
-        # local progress since the snapshot is kept, unless the weights were meanwhile reset to the anchor
-        live = anchor + (current - own.snapshot) if own.generation == self._generation else anchor
-        self._set_averaged(live)
-        self.anchor = anchor
-        self._generation += 1
-        self._commit(ids, self.epoch + 1)
-        for req_id in own.ids:
-            self.pending_samples -= self.pending.pop(req_id, 0)
+        """Take the stage's average, keep the local progress made since `own` was taken (`drift`)."""
+        drift = self.averaging.finish(own, mean_delta)
+        self.book.commit(ids, self.epoch + 1)
+        self.book.unpend(own.ids)
         self.epoch += 1
         self.version += 1
         self.last_digest = self.digest()
-        drift = float((live - anchor).norm() / anchor.norm().clamp_min(1e-12))
         return StepRecord(self.epoch, samples, group, self.lr(), float(mean_delta.norm()), self.last_digest, ids,
                           drift=drift)
-
-    def _commit(self, ids: list[str], epoch: int) -> None:
-        for req_id in ids:
-            self.committed[req_id] = epoch
-        oldest = epoch - LEDGER_EPOCHS
-        while self.committed:  # insertion order is epoch order: forget from the front
-            first = next(iter(self.committed))
-            if self.committed[first] > oldest:
-                break
-            del self.committed[first]
 
     def discard_gradients(self) -> int:
         """Forget accumulated gradients (they belong to weights this replica no longer holds); async,
@@ -441,70 +358,38 @@ class StageRuntime:
         lost = self.pending_samples
         self.optimizer.zero_grad(set_to_none=True)
         if self.asynchronous and lost:
-            self._set_averaged(self.anchor)
-            self._generation += 1
+            self.averaging.return_to()
             self.version += 1
-        self.pending, self.pending_samples = {}, 0
+        self.book.clear_pending()
         self.graphs.clear()
         return lost
 
     def digest(self) -> str:
         """Of the weights the stage agreed on: the parameters (sync) or their anchor (async)."""
-        return _digest(self._agreed_params())
+        return digest(self._agreed_params())
 
     def _agreed_params(self) -> list[torch.Tensor]:
-        return self._anchor_views()[: len(self.params)] if self.asynchronous else self.params
-
-    def _anchor_views(self) -> list[torch.Tensor]:
-        """The anchor cut into the shapes of the averaged tensors (async)."""
-        views, offset = [], 0
-        for t in self._averaged():
-            views.append(self.anchor[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
-        return views
+        return self.averaging.views()[: len(self.params)] if self.asynchronous else self.params
 
     # ---- state transfer (newcomers and stragglers) ---------------------------------------------
 
+    def ledger(self) -> dict[int, list[str]]:
+        """The microbatches of each remembered step, by the epoch it produced."""
+        return self.book.steps()
+
     def state(self) -> tuple[dict, list[torch.Tensor]]:
-        """Parameters, buffers and optimizer state, flattened for the wire. Async, the averaged tensors
-        are sent as the anchor holds them: a replica's un-averaged progress stays its own (its pending
-        microbatches would otherwise count twice in the next round).
+        """Parameters, buffers and optimizer state, flattened for the wire (see swarm.server.state_io)."""
+        return export_state(self)
 
-        The parameters and optimizer state are lent, not copied: a copy would cost as much memory again
-        as the stage's weights and optimizer state, on every checkpoint and every download served. They
-        stay as they are while the reader holds them: the runtime moves its own to fresh memory before
-        it next changes them in place, if by then a reader still holds them (`_unshare`). Buffers, which
-        a forward may change in place (running statistics), are copied."""
-        agreed = dict(zip(map(id, self._averaged()), self._anchor_views(), strict=True)) if self.asynchronous else {}
-        self._lent = [ref for ref in self._lent if ref() is not None]
-        names, tensors = [], []
-        for name, t in self.module.state_dict(keep_vars=True).items():
-            names.append(name)
-            value = agreed.get(id(t), t)
-            tensors.append(self._lend(value) if isinstance(t, torch.nn.Parameter) else value.detach().cpu().clone())
-        opt_keys = []
-        for index, st in sorted(self.optimizer.state_dict()["state"].items()):
-            for key, value in sorted(st.items()):
-                opt_keys.append([index, key])
-                tensors.append(self._lend(torch.as_tensor(agreed.get(id(value), value))))
-        ledger = [[epoch, ids] for epoch, ids in self.ledger().items()]
-        meta = {"epoch": self.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger, "digest": self.last_digest}
-        return meta, tensors
-
-    def _lend(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` for a reader outside the compute thread, remembered until the reader drops it."""
-        lent = tensor.detach().cpu()
-        self._lent.append(weakref.ref(lent))
-        return lent
+    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+        import_state(self, meta, tensors)
 
     @torch.no_grad()
-    def _unshare(self) -> None:
+    def unshare(self) -> None:
         """Before the parameters or optimizer state change in place: if a reader still holds tensors that
         `state` lent it, give the live ones fresh memory, leaving the reader's unchanged. It costs a copy
         only when a step comes while a checkpoint is written or a download is served."""
-        held = any(ref() is not None for ref in self._lent)
-        self._lent = []
-        if not held:
+        if not self.lent.held():
             return
         for p in self.module.parameters():
             p.data = p.data.clone()
@@ -512,45 +397,3 @@ class StageRuntime:
             for key, value in st.items():
                 if torch.is_tensor(value):
                     st[key] = value.clone()
-
-    def ledger(self) -> dict[int, list[str]]:
-        """The microbatches of each remembered step, by the epoch it produced."""
-        steps: dict[int, list[str]] = {}
-        for req_id, epoch in self.committed.items():
-            steps.setdefault(epoch, []).append(req_id)
-        return {epoch: sorted(ids) for epoch, ids in sorted(steps.items())}
-
-    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
-        names, opt_keys = meta["names"], meta["opt_keys"]
-        if len(tensors) != len(names) + len(opt_keys):
-            raise ValueError(f"state has {len(tensors)} tensors, expected {len(names) + len(opt_keys)}")
-        if "digest" in meta:  # the parameters' checksum, checked before anything is loaded
-            sent = dict(zip(names, tensors, strict=False))
-            trainable = [sent.get(n) for n, p in self.module.named_parameters() if p.requires_grad]
-            if any(t is None for t in trainable) or _digest(trainable) != meta["digest"]:
-                raise ValueError(f"state checksum mismatch: expected {meta['digest']}")
-        self._unshare()
-        self.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
-        opt_state = self.optimizer.state_dict()
-        opt_state["state"] = {}
-        for (index, key), t in zip(opt_keys, tensors[len(names) :], strict=True):
-            opt_state["state"].setdefault(index, {})[key] = t
-        self.optimizer.load_state_dict(opt_state)
-        self.epoch = int(meta["epoch"])
-        if self.asynchronous:
-            self.anchor = self._flat_averaged()
-            self._generation += 1
-        self.version += 1
-        self.last_digest = self.digest()
-        self.discard_gradients()
-        self.committed = {}
-        for epoch, ids in meta.get("ledger", []):
-            self._commit(ids, int(epoch))
-
-
-def _digest(tensors: list[torch.Tensor]) -> str:
-    """A short hash of the tensors' bytes: equal digests mean bit-identical parameters."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # the bytes in place, not a copy
-    return h.hexdigest()[:16]

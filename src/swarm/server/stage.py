@@ -16,7 +16,8 @@ from swarm.core import StageRate
 from swarm.core.stepping import PlanMemory, accept_proposal
 from swarm.model import build_stage, stage_boundary
 from swarm.server.checkpoints import CheckpointStore
-from swarm.server.runtime import StageRuntime, StepRecord
+from swarm.server.records import StepRecord
+from swarm.server.runtime import StageRuntime
 from swarm.wire.validate import TensorSpec
 
 log = logging.getLogger("swarm.server")

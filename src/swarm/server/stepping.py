@@ -34,7 +34,7 @@ from swarm.net.directory import Directory, short
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.gate import ComputeGate
-from swarm.server.runtime import StepRecord
+from swarm.server.records import StepRecord
 from swarm.server.stage import ServedStage
 from swarm.server.transfer import StateTransfer
 from swarm.wire.records import ServerRecord

@@ -1,0 +1,61 @@
+"""A replica's delivery ledger: which microbatches its accumulated gradient holds (`pending`, with their
+samples) and which ones the stage's recent steps took in (`committed`: id -> the epoch the step
+produced, kept for `keep_epochs` epochs and handed to newcomers with the state). A microbatch already
+held or committed is never accumulated again: a repeated or replayed call only gets its input gradient
+back. The trainers' side of exactly-once (`swarm.core.delivery`) asks replicas what their ledgers say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Ledger:
+    def __init__(self, keep_epochs: int):
+        self.keep_epochs = keep_epochs
+        self.pending: dict[str, int] = {}  # microbatch id -> samples, accumulated since the last step
+        self.pending_samples = 0  # their sum, readable from the network thread without iterating
+        self.committed: dict[str, int] = {}  # microbatch id -> the epoch its step produced (recent steps)
+
+    def accumulates(self, req_id: str) -> bool:
+        """Whether a gradient for `req_id` would be new to the stage (else it is a duplicate)."""
+        return req_id not in self.pending and req_id not in self.committed
+
+    def hold(self, req_id: str, samples: int) -> None:
+        self.pending[req_id] = samples
+        self.pending_samples += samples
+
+    def commit(self, ids: Iterable[str], epoch: int) -> None:
+        """Record a step's microbatches, forgetting steps older than `keep_epochs` before it."""
+        for req_id in ids:
+            self.committed[req_id] = epoch
+        oldest = epoch - self.keep_epochs
+        while self.committed:  # insertion order is epoch order: forget from the front
+            first = next(iter(self.committed))
+            if self.committed[first] > oldest:
+                break
+            del self.committed[first]
+
+    def unpend(self, ids: Iterable[str]) -> None:
+        """These microbatches left the accumulated gradient (a round took them in)."""
+        for req_id in ids:
+            self.pending_samples -= self.pending.pop(req_id, 0)
+
+    def clear_pending(self) -> int:
+        """Forget everything held (stepped, or dropped); the samples it held."""
+        held = self.pending_samples
+        self.pending, self.pending_samples = {}, 0
+        return held
+
+    def steps(self) -> dict[int, list[str]]:
+        """The microbatches of each remembered step, by the epoch it produced."""
+        steps: dict[int, list[str]] = {}
+        for req_id, epoch in self.committed.items():
+            steps.setdefault(epoch, []).append(req_id)
+        return {epoch: sorted(ids) for epoch, ids in sorted(steps.items())}
+
+    def restore(self, steps: Iterable[tuple[int, list[str]]]) -> None:
+        """Take another replica's remembered steps (with its state) in place of ours."""
+        self.committed = {}
+        for epoch, ids in steps:
+            self.commit(ids, int(epoch))

@@ -1,0 +1,176 @@
+"""Calling a stage: pick a server (stochastic wiring), call it with a timeout that follows measured
+latency, and on failure retry: on the same server when the connection broke (it answers a repeat from
+its reply cache), elsewhere otherwise, banning the server that failed.
+
+A call that got no answer may still have been applied. Its retry elsewhere then asks for the input
+gradient only, and the first server stays the holder of the gradient, in doubt until its stage's
+ledger tells (see `swarm.trainer.delivery`). Accumulating calls are retried until they succeed (a stage
+without servers is waited for): giving one up would leave the microbatch in some stages' steps and not
+in others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from swarm.config import TrainerConfig
+from swarm.core import BanList, Candidate, LatencyTracker, SmoothWeightedRoundRobin, backoff_delay, choose_server
+from swarm.net.directory import Directory, short
+from swarm.net.protocol import Tagged
+from swarm.net.transport import CallFailed, StageClient
+from swarm.trainer.view import SwarmView
+from swarm.wire.calls import StageCall
+
+log = logging.getLogger("swarm.trainer")
+
+
+class MicrobatchFailed(Exception):
+    """A stage could not be completed on any server within the allowed attempts."""
+
+
+@dataclass
+class Served:
+    """A stage call that succeeded, and who holds the gradient it accumulated (if it accumulated one)."""
+
+    peer: str  # the server that answered
+    meta: dict
+    tensors: list[torch.Tensor]
+    holder: str  # the server that accumulated (or, after an unanswered call, may have accumulated) it
+    epoch: int  # the stage's epoch at the holder when it accumulated, as far as we know
+
+
+@dataclass
+class _Attempts:
+    """Where a call's retries stand."""
+
+    count: int = 0
+    repeat: str | None = None  # the server to repeat the call on (its connection broke)
+    prefer: str | None = None  # the server to try first (the backward goes where the forward ran)
+    holder: tuple[str, int] | None = None  # (server, epoch) of an unanswered accumulating call
+
+
+class StageCaller:
+    def __init__(self, tc: TrainerConfig, client: StageClient, directory: Directory, view: SwarmView,
+                 config_hash: str, announce_period: float, rng: random.Random, stop: asyncio.Event):
+        self.tc = tc
+        self.client, self.directory, self.view = client, directory, view
+        self.hash = config_hash
+        self.announce_period = announce_period
+        self.rng = rng
+        self.stop = stop
+        self.bans = BanList(tc.ban_seconds, tc.ban_seconds * 8)
+        self.round_robin = [SmoothWeightedRoundRobin() for _ in range(view.num_stages)]
+        self.latency = {(k, m): LatencyTracker() for k in range(view.num_stages) for m in ("forward", "backward")}
+        self.inflight: dict[str, int] = {}
+        self.retries = 0
+        self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
+
+    def pick(self, stage: int, prefer: str | None) -> str | None:
+        now = time.monotonic()
+        live = {r.peer_id: r for r in self.view.servers[stage]}
+        if prefer in live and not self.bans.is_banned(prefer, now):
+            return prefer
+        candidates = [  # a server on its way to another stage takes no new work
+            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0))
+            for r in live.values() if not r.moving
+        ]
+        if self.tc.routing == "wrr":
+            return self.round_robin[stage].pick(candidates, self.bans.banned(now))
+        return choose_server(candidates, self.rng, self.bans.banned(now))
+
+    async def call(self, stage: int, method: str, req: str, tensors: list[torch.Tensor], prefer: str | None = None,
+                   accumulating: bool = False) -> Served:
+        """Call `method` of some server of `stage`, retrying as the module says."""
+        tried = _Attempts(prefer=prefer)
+        while tried.count < self.tc.max_attempts or accumulating:
+            peer = await self._server_for(stage, tried)
+            call = self._stage_call(stage, method, req, accumulate=accumulating and tried.holder is None)
+            try:
+                reply = await self._timed(method, peer, call, tensors)
+            except CallFailed as e:
+                await self._after_failure(stage, method, peer, call, e, tried)
+                continue
+            self.bans.forgive(peer)
+            epoch = int(reply[0].get("epoch", 0))
+            self.view.saw_epoch(stage, epoch)
+            held_by, held_at = tried.holder or (peer, epoch)
+            return Served(peer, reply[0], reply[1], held_by, held_at)
+        raise MicrobatchFailed(f"stage {stage} {method} failed on {self.tc.max_attempts} attempts")
+
+    async def _server_for(self, stage: int, tried: _Attempts) -> str:
+        """The server for the next attempt, waiting for one if the stage has none (or all are banned)."""
+        while True:
+            if self.stop.is_set():
+                raise MicrobatchFailed(f"stopped while calling stage {stage}")
+            peer = tried.repeat or self.pick(stage, tried.prefer)
+            if peer is not None:
+                return peer
+            await self._wait_for_server(stage)
+
+    def _stage_call(self, stage: int, method: str, req: str, accumulate: bool) -> StageCall:
+        """The call's metadata, its timeout following the latency measured for such calls. Past its
+        deadline a server drops the request: by then we have sent it elsewhere, and a delivery in doubt
+        is judged only request_timeout after its failure (see swarm.trainer.delivery)."""
+        tc = self.tc
+        timeout = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
+                                                      tc.request_timeout)
+        deadline = time.time() + timeout + tc.request_timeout / 2
+        return StageCall(req, stage, self.hash, self.view.live_epoch(stage), timeout, deadline, accumulate)
+
+    async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[torch.Tensor]):
+        self.inflight[peer] = self.inflight.get(peer, 0) + 1
+        started = time.perf_counter()
+        try:
+            reply = await self.client.call(peer, method, call.to_meta(), _tagged(call.stage, method, tensors),
+                                           call.timeout)
+        finally:
+            self.inflight[peer] -= 1
+            elapsed = time.perf_counter() - started
+            key = f"{call.stage}/{method}"
+            self.call_seconds[key] = self.call_seconds.get(key, 0.0) + elapsed
+        self.latency[call.stage, method].observe(elapsed)
+        return reply
+
+    async def _after_failure(self, stage: int, method: str, peer: str, call: StageCall, error: CallFailed,
+                             tried: _Attempts) -> None:
+        """Decide where the next attempt goes, and back off before it."""
+        if error.refused:
+            raise MicrobatchFailed(f"stage {stage} refused the request: {error}") from error
+        self.retries += 1
+        tried.count += 1
+        if not error.answered and not error.timed_out and tried.repeat is None:
+            tried.repeat = peer
+            log.info("stage %d %s on %s failed (%s); repeating it there", stage, method, short(peer), error)
+        else:
+            if call.accumulate and not error.answered:
+                tried.holder = (peer, call.epoch)
+            tried.repeat, tried.prefer = None, None
+            self.bans.ban(peer, time.monotonic())
+            log.info("stage %d %s on %s failed (%s); retrying elsewhere%s", stage, method, short(peer), error,
+                     " for the input gradient only" if tried.holder else "")
+        await asyncio.sleep(backoff_delay(min(tried.count, 6), 0.05, 2.0, self.rng))
+
+    async def _wait_for_server(self, stage: int) -> None:
+        servers = self.view.servers[stage]
+        if servers:  # servers exist but all are banned: wait for the first ban to run out
+            now = time.monotonic()
+            await asyncio.sleep(max(0.05, min(self.bans.remaining(r.peer_id, now) for r in servers)))
+            return
+        if stage not in self.view.waiting:
+            self.view.waiting.add(stage)
+            log.warning("no live server for stage %d; waiting for one to appear", stage)
+        await asyncio.sleep(self.announce_period)
+        await self.view.refresh(self.directory)
+
+
+def _tagged(stage: int, method: str, tensors: list[torch.Tensor]) -> list[Tagged]:
+    """What a stage call carries: the stage's input (token ids at the first stage, activations after),
+    then the targets (forward to the last stage) or the gradient of the stage's output (backward)."""
+    roles = ("tokens" if stage == 0 else "activations", "gradients" if method == "backward" else "tokens")
+    return [Tagged(role, t) for role, t in zip(roles, tensors, strict=False)]

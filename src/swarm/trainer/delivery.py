@@ -1,0 +1,122 @@
+"""Exactly-once delivery, the trainer's side: every gradient a stage accumulated for one of our
+microbatches is kept (the stage's inputs and output gradient) until a step of the stage that outlives
+any one replica took it in (`swarm.core.delivery.judge`); one lost with the replica that held it is
+accumulated again from what was kept (a replay)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm.config import TrainerConfig
+from swarm.core import Verdict, judge, merge_answers
+from swarm.net.directory import short
+from swarm.net.transport import CallFailed, StageClient
+from swarm.trainer.calls import MicrobatchFailed, Served, StageCaller
+from swarm.trainer.view import SwarmView
+from swarm.wire.calls import LedgerQuery
+
+log = logging.getLogger("swarm.trainer")
+
+
+@dataclass
+class KeptGradient:
+    """What it takes to accumulate a stage's gradient of one microbatch again, and where it stands."""
+
+    req: str
+    stage: int
+    method: str  # the call that accumulates it again: "backward", or "forward" for the last stage
+    tensors: list[torch.Tensor]
+    holder: str
+    epoch: int
+    judge_after: float  # monotonic time before which no verdict is taken (a doubtful call may still run)
+    replaying: bool = False
+
+
+class GradientKeeper:
+    def __init__(self, tc: TrainerConfig, client: StageClient, caller: StageCaller, view: SwarmView,
+                 announce_period: float, done: Callable[[], bool], stop: asyncio.Event):
+        self.tc = tc
+        self.client, self.caller, self.view = client, caller, view
+        self.announce_period = announce_period
+        self.done = done  # the trainer sends no more microbatches (no step after ours need be durable)
+        self.stop = stop
+        self.kept: dict[tuple[str, int], KeptGradient] = {}
+        self.replays = 0
+        self._replaying: set[asyncio.Task] = set()
+
+    def keep(self, req: str, stage: int, method: str, tensors: list[torch.Tensor], served: Served) -> None:
+        doubtful = served.holder != served.peer
+        judge_after = time.monotonic() + (self.tc.request_timeout if doubtful else 0.0)
+        self.kept[req, stage] = KeptGradient(req, stage, method, tensors, served.holder, served.epoch, judge_after)
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.announce_period)
+            try:
+                await self._judge_all()
+            except Exception as e:  # a view or a replica that failed to answer: the next pass asks again
+                log.warning("could not check the delivery of gradients: %s", e)
+
+    async def _judge_all(self) -> None:
+        """Ask each stage's most advanced replica (and any other live holder) about our kept gradients."""
+        now = time.monotonic()
+        for stage in range(self.view.num_stages):
+            open_ = [g for g in self.kept.values() if g.stage == stage and not g.replaying and g.judge_after <= now]
+            live = {r.peer_id: r for r in self.view.servers[stage]}
+            if not open_ or not live:
+                continue
+            ask = {max(live.values(), key=lambda r: r.epoch).peer_id}
+            ask |= {g.holder for g in open_ if self.view.seen_lately(stage, g.holder)}
+            answers = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
+            answers = [a for a in answers if a is not None]
+            if not answers:
+                continue
+            for g in open_:
+                verdict = judge(g.epoch, self.view.seen_lately(stage, g.holder), merge_answers(answers, g.req),
+                                self.tc.keep_epochs, need_durable=not self.done())
+                if verdict is Verdict.DONE:
+                    del self.kept[g.req, g.stage]
+                elif verdict is Verdict.REPLAY:
+                    g.replaying = True
+                    task = asyncio.create_task(self._replay(g))
+                    self._replaying.add(task)
+                    task.add_done_callback(self._replaying.discard)
+
+    async def _ask_ledger(self, peer: str, stage: int, open_: list[KeptGradient]) -> dict | None:
+        query = LedgerQuery(stage, tuple(g.req for g in open_))
+        try:
+            reply, _ = await self.client.call(peer, "ledger", query.to_meta(), [], self.tc.min_request_timeout)
+        except CallFailed as e:
+            log.debug("ledger of %s did not answer: %s", short(peer), e)
+            return None
+        return reply
+
+    async def _replay(self, g: KeptGradient) -> None:
+        """Accumulate a lost gradient again, from the stage inputs and output gradient we kept."""
+        try:
+            served = await self.caller.call(g.stage, g.method, g.req, g.tensors, accumulating=True)
+        except MicrobatchFailed as e:
+            log.warning("replay of microbatch %s at stage %d failed: %s", g.req, g.stage, e)
+            g.replaying = False
+            return
+        self.replays += 1
+        log.info("microbatch %s: stage %d gradient lost with %s, accumulated again on %s",
+                 g.req, g.stage, short(g.holder), short(served.holder))
+        self.keep(g.req, g.stage, g.method, g.tensors, served)
+
+    async def settle(self) -> int:
+        """After the last microbatch: wait (bounded) until every gradient we sent is in a step; how many
+        are not."""
+        deadline = time.monotonic() + self.tc.settle_timeout
+        while self.kept and time.monotonic() < deadline and not self.stop.is_set():
+            await asyncio.sleep(0.1)
+        if self.kept:
+            log.warning("%d microbatch gradients not confirmed in a step after %.0fs", len(self.kept),
+                        self.tc.settle_timeout)
+        return len(self.kept)

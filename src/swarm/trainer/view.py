@@ -1,0 +1,60 @@
+"""A trainer's view of the swarm: the live servers of each stage that share its settings, refreshed from
+the DHT; the highest epoch it has seen of each stage; when it last saw each server."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from swarm.config import describe_mismatch
+from swarm.net.directory import Directory, short
+from swarm.wire.records import ServerRecord
+
+log = logging.getLogger("swarm.trainer")
+
+
+class SwarmView:
+    def __init__(self, num_stages: int, config_hash: str, agreed: dict, announce_period: float):
+        self.num_stages = num_stages
+        self.hash, self.agreed = config_hash, agreed
+        self.announce_period = announce_period
+        self.servers: dict[int, list[ServerRecord]] = {k: [] for k in range(num_stages)}
+        self.stage_epoch = [0] * num_stages  # the highest epoch seen of each stage (in a record or a reply)
+        self.mismatched: set[str] = set()  # servers ignored for other settings (each logged once)
+        self.waiting: set[int] = set()  # stages found without a server (logged once until one is back)
+        # (stage, server) -> when it was last in our view of the stage (monotonic); a server that moved to
+        # another stage is gone from this one
+        self._last_seen: dict[tuple[int, str], float] = {}
+
+    async def refresh(self, directory: Directory) -> None:
+        for stage, records in (await directory.stages(self.num_stages)).items():
+            usable = []
+            for r in records:
+                if r.config_hash != self.hash:
+                    if r.peer_id not in self.mismatched:
+                        self.mismatched.add(r.peer_id)
+                        log.warning("ignoring server %s: other settings (%s)", short(r.peer_id),
+                                    describe_mismatch(self.agreed, r.agreed()))
+                    continue
+                usable.append(r)
+                self.saw_epoch(stage, r.epoch)
+            if usable and stage in self.waiting:
+                self.waiting.discard(stage)
+                log.info("stage %d has %d server(s) again", stage, len(usable))
+            self.servers[stage] = usable
+            now = time.monotonic()
+            self._last_seen.update(((stage, r.peer_id), now) for r in usable)
+
+    def saw_epoch(self, stage: int, epoch: int) -> None:
+        self.stage_epoch[stage] = max(self.stage_epoch[stage], epoch)
+
+    def live_epoch(self, stage: int) -> int:
+        """The stage's epoch as its live replicas announce it: a replica behind it must not serve us.
+        (Not the highest epoch ever seen: a stage whose replicas all died restarts from a checkpoint.)"""
+        return max((r.epoch for r in self.servers[stage]), default=0)
+
+    def seen_lately(self, stage: int, peer: str) -> bool:
+        """Whether a server counts as alive: in one of the views of the last few announcement periods.
+        One view that misses it (a DHT lookup can come back partial under load) does not make it dead."""
+        return time.monotonic() - self._last_seen.get((stage, peer), -math.inf) < 3 * self.announce_period

@@ -1,0 +1,149 @@
+"""The stage server's parts that need no sockets: admission and staleness, the reply cache, the compute
+gate's deadlines, on a real stage runtime of a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+import torch
+
+from swarm.config import load_config
+from swarm.server.batching import Batcher
+from swarm.server.gate import ComputeGate, Deadline
+from swarm.server.handlers import StageHandlers
+from swarm.server.replies import ReplyCache
+from swarm.server.stage import ServedStage
+from swarm.wire.calls import StageCall
+from swarm.wire.validate import BadRequest, Unavailable
+
+CFG = load_config(overrides=["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2",
+                             "model.seq_len=16", "model.num_stages=2"])
+
+
+def served(index: int, gate: ComputeGate, stopping=lambda: False) -> tuple[StageHandlers, ServedStage]:
+    st = ServedStage.build(CFG.model, CFG.optim, CFG.server, index, "QmMe", "me")
+    st.serving = True
+    handlers = StageHandlers(CFG.model, CFG.server, "hash", 1 << 20, gate, stopping)
+
+    async def no_reduce(meta, tensors, caller):
+        raise AssertionError("no all-reduce here")
+
+    handlers.enter(st, Batcher(st.runtime, gate, 0, 1.0), no_reduce)
+    return handlers, st
+
+
+def call(stage: int = 1, req: str = "r1", **fields) -> dict:
+    return StageCall(req, stage, fields.pop("config", "hash"), **fields).to_meta()
+
+
+def last_stage_request(batch: int = 2) -> list[torch.Tensor]:
+    return [torch.randn(batch, 16, 32), torch.randint(0, 256, (batch, 16))]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_admission_sends_callers_with_a_lagging_view_elsewhere_and_refuses_strangers():
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        with pytest.raises(Unavailable, match="hosts stage 1, not 0"):
+            await handlers.forward(call(stage=0), last_stage_request(), "caller")
+        with pytest.raises(BadRequest, match="config hash"):
+            await handlers.forward(call(config="other"), last_stage_request(), "caller")
+        with pytest.raises(BadRequest, match="stage: expected int"):
+            await handlers.forward({"req": "r", "stage": "1", "config": "hash"}, last_stage_request(), "caller")
+        with pytest.raises(BadRequest, match="request id"):
+            await handlers.forward(call(req=""), last_stage_request(), "caller")
+        st.serving = False
+        with pytest.raises(Unavailable, match="between stages"):
+            await handlers.forward(call(), last_stage_request(), "caller")
+    run(scenario())
+
+
+def test_a_stale_replica_refuses_and_wakes_its_step_loop_to_catch_up():
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        with pytest.raises(Unavailable, match="stale replica: at epoch 0, the stage is at 3"):
+            await handlers.forward(call(epoch=3), last_stage_request(), "caller")
+        assert st.counters["stale_refusals"] == 1 and st.wake.is_set()
+        st.round_epoch = 0  # our own step to that epoch is under way: the request waits for it instead
+        await handlers.forward(call(epoch=1), last_stage_request(), "caller")
+    run(scenario())
+
+
+def test_a_moving_server_takes_no_new_microbatch_but_finishes_its_backwards_until_drained():
+    async def scenario():
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(0, gate)
+        batcher = asyncio.create_task(handlers.batcher.loop())
+        ids = torch.randint(0, 256, (2, 16))
+        meta, (y,) = await handlers.forward(call(stage=0, req="a"), [ids], "caller")
+        st.moving_to = 1
+        with pytest.raises(Unavailable, match="moving to stage 1"):
+            await handlers.forward(call(stage=0, req="b"), [ids], "caller")
+        await handlers.backward(call(stage=0, req="a"), [ids, torch.ones_like(y.value)], "caller")
+        assert st.runtime.pending_samples == 2
+        st.drained = True
+        with pytest.raises(Unavailable, match="moving"):
+            await handlers.backward(call(stage=0, req="a"), [ids, torch.ones_like(y.value)], "caller")
+        batcher.cancel()
+    run(scenario())
+
+
+def test_a_repeated_gradient_call_is_answered_from_the_cache_and_applied_once():
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        tensors = last_stage_request()
+        first = await handlers.forward(call(), tensors, "caller")
+        again = await handlers.forward(call(), tensors, "caller")
+        assert st.runtime.pending_samples == 2 and st.counters["samples_served"] == 2
+        assert again[0]["loss"] == first[0]["loss"] and torch.equal(again[1][0].value, first[1][0].value)
+        other = await handlers.forward(call(), tensors, "another caller")  # keys are per caller
+        assert st.runtime.pending_samples == 4 and other[0]["loss"] == first[0]["loss"]
+    run(scenario())
+
+
+def test_the_reply_cache_keeps_the_newest_and_answers_with_the_current_epoch():
+    cache = ReplyCache(size=2)
+    for key in "abc":
+        cache.remember(key, ({"epoch": 1, "loss": key}, []))
+    assert cache.repeat("a", 5) is None
+    assert cache.repeat("c", 5) == ({"epoch": 5, "loss": "c"}, [])
+
+
+def test_the_gate_drops_requests_whose_caller_gave_up_while_they_queued():
+    async def scenario():
+        gate, ran = ComputeGate(1.0, False), []
+        with pytest.raises(Unavailable, match="expired while it queued"):
+            await gate.run(ran.append, 1, expires=Deadline(arrival_bound=time.monotonic() - 1))
+        with pytest.raises(Unavailable):
+            await gate.run(ran.append, 2, expires=Deadline(wall=time.time() - 1))  # a frozen server's backlog
+        await gate.run(ran.append, 3, expires=Deadline(time.monotonic() + 60, time.time() + 60))
+        assert ran == [3] and gate.queued == 0
+        gate.close()
+    run(scenario())
+
+
+def test_a_call_without_a_timeout_never_expires():
+    deadline = Deadline.of(StageCall.from_meta(call()))
+    assert deadline.arrival_bound == math.inf and deadline.wall == math.inf and not deadline.passed()
+
+
+def test_the_gate_counts_work_by_pass_and_slows_down_by_cpu_time():
+    async def scenario():
+        counted = []
+        gate = ComputeGate(3.0, True)
+        gate.count_work = lambda work, samples, seconds: counted.append((work, samples, seconds))
+        spin = lambda: sum(i * i for i in range(200_000))  # noqa: E731
+        started = time.perf_counter()
+        await gate.run(spin, work="forward", samples=4)
+        wall = time.perf_counter() - started
+        (work, samples, cost), = counted
+        assert (work, samples) == ("forward", 4)
+        assert wall >= 0.9 * cost  # idled twice the CPU time, and counted three times it
+        gate.close()
+    run(scenario())
