@@ -175,10 +175,10 @@ class StageAllReduce:
         self._finished.pop(epoch, None)  # a new attempt: an earlier failed one's answers are void
         rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0], digest)
         self._started_event(epoch).set()
+        # parts are views, not copies (a stage's gradient is large): nothing writes to `flat_grad` while its
+        # round runs (a sync round holds the compute gate; an async contribution is a tensor of its own)
         tasks = [
-            asyncio.ensure_future(
-                self._exchange(owner, epoch, group, flat_grad[lo:hi].clone(), samples, digest, ids or [])
-            )
+            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi], samples, digest, ids or []))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
         gathered = asyncio.gather(*tasks)
