@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import asdict, replace
 
@@ -37,7 +38,7 @@ from swarm.server.gate import ComputeGate
 from swarm.server.records import StepRecord
 from swarm.server.stage import ServedStage
 from swarm.server.transfer import StateTransfer
-from swarm.wire.records import ServerRecord
+from swarm.wire.records import ServerRecord, TrainerRecord
 
 log = logging.getLogger("swarm.server")
 LOOK_EVERY = 0.25  # seconds between looks when nothing wakes the step loop
@@ -61,6 +62,7 @@ class Stepper:
         self.transfer = transfer
         self.results, self.steps_file = results, steps_file
         self.rng = rng
+        self._trainers_read: tuple[float, list[TrainerRecord]] = (-math.inf, [])
 
     async def loop(self) -> None:
         st, failures = self.stage, 0
@@ -95,7 +97,7 @@ class Stepper:
     async def _look(self) -> tuple[Decision, list[ServerRecord]]:
         """Gather the view, ask the plan, remember what it says to remember."""
         st = self.stage
-        records, trainers = await asyncio.gather(self.directory.stage(st.index), self.directory.trainers())
+        records, trainers = await asyncio.gather(self.directory.stage(st.index), self._trainers())
         proposal, st.proposal = st.proposal, None
         view = StepView(
             now=time.monotonic(), me=self.peer_id, epoch=st.runtime.epoch, pending=st.runtime.pending_samples,
@@ -105,6 +107,14 @@ class Stepper:
         )
         decision, st.plan = plan_step(view, st.plan)
         return decision, records
+
+    async def _trainers(self) -> list[TrainerRecord]:
+        """The trainers in view, read at most once per announcement period: the plan needs them only at
+        the end of a run or when a replica is alone, and the step loop looks several times a second."""
+        now = time.monotonic()
+        if now - self._trainers_read[0] >= self.net.announce_period:
+            self._trainers_read = (now, await self.directory.trainers())
+        return self._trainers_read[1]
 
     async def _resolve_divergence(self, error: WeightsDiverged) -> None:
         """Replicas at one epoch hold different weights (they once stepped without each other): the
