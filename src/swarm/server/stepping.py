@@ -147,13 +147,22 @@ class Stepper:
         if st.checkpoints is not None and record.epoch % self.checkpoint_every == 0:
             await self.transfer.checkpoint()
 
+    def _opens(self, epoch: int) -> bool:
+        """Whether the round for `epoch` goes ahead (call with the gate held): not if this replica was
+        taken for gone meanwhile (it dropped its samples) or is no longer at that epoch. A peer that
+        looks behind after this round is waited for anew."""
+        st = self.stage
+        if st.drop_if_lapsed() or st.runtime.epoch != epoch:
+            return False
+        st.plan = replace(st.plan, behind_since={})
+        return True
+
     async def _sync_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
         """All-reduce the stage's gradients and step, holding the gate throughout."""
         st = self.stage
         async with self.gate.lock:
-            if st.drop_if_lapsed() or st.runtime.epoch != epoch:
+            if not self._opens(epoch):
                 return None
-            st.plan = replace(st.plan, behind_since={})  # a peer behind after this round is waited for anew
             st.round_epoch = epoch
             try:
                 samples, ids = st.runtime.pending_samples, sorted(st.runtime.pending)
@@ -167,9 +176,8 @@ class Stepper:
         """Average the replicas' weights (async mode); serving goes on while the deltas travel."""
         st = self.stage
         async with self.gate.lock:
-            if st.drop_if_lapsed() or st.runtime.epoch != epoch:
+            if not self._opens(epoch):
                 return None
-            st.plan = replace(st.plan, behind_since={})  # a peer behind after this round is waited for anew
             own = await self.gate.run_locked(st.runtime.begin_average)
         st.round_epoch = epoch
         try:
