@@ -58,10 +58,10 @@ class Watch:
                 return snapshot
 
     def interrupt(self) -> int:
-        """Ctrl-C: how a watch ends."""
+        """Ctrl-C: how a watch ends (leaving the DHT takes seconds; more on a loaded 2-core host)."""
         self.process.send_signal(signal.SIGINT)
         try:
-            return self.process.wait(timeout=20)
+            return self.process.wait(timeout=60)
         finally:
             self.process.kill()
 
