@@ -66,7 +66,7 @@ class Watch:
             self.process.kill()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_status_shows_servers_trainers_and_a_stage_without_server(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, "local.servers_per_stage=1", "local.trainers=1", "trainer.target_steps=1000",
                        "trainer.progress_every=1.0")
