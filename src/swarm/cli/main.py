@@ -178,6 +178,9 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C (SIGINT) stops every command, even one started where SIGINT is ignored by inheritance: a shell
+    # script starts its background jobs (`swarm server ... &`) with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
