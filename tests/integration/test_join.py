@@ -26,8 +26,10 @@ def test_a_newcomer_measures_its_clock_against_the_swarm_and_is_dialled_back(tmp
         net = load_config(overrides=[f"net.initial_peers=[{peers}]", 'net.host="127.0.0.1"']).net
         dht = start_dht(net)
         async def scenario() -> None:
+            p2p = await dht.replicate_p2p()
+
             def join(skew: float, serving: bool = False):
-                return check_join(dht, net, serving, clock=lambda: time.time() + skew)
+                return check_join(dht, p2p, net, serving, clock=lambda: time.time() + skew)
 
             with caplog.at_level(logging.WARNING, logger="swarm.net.node"):
                 await join(0.0, serving=True)  # in step, and reachable on loopback: nothing to say

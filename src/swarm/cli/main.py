@@ -162,7 +162,7 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         p2p = await dht.replicate_p2p()
-        await check_join(dht, cfg.net, serving=False)
+        await check_join(dht, p2p, cfg.net, serving=False)
         await JoinServicer(p2p).add_p2p_handlers(p2p)  # newcomers greet it: clock and dial-back checks
         addrs = visible_addresses(dht)
         kept = f" (peer id kept in {cfg.net.identity_path})" if cfg.net.identity_path else ""

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import hivemind
+from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -65,7 +66,8 @@ def _loopback(addr: str) -> bool:
     return False
 
 
-async def check_join(dht: hivemind.DHT, net: NetConfig, serving: bool, clock: Callable[[], float] = time.time) -> None:
+async def check_join(dht: hivemind.DHT, p2p: P2P, net: NetConfig, serving: bool,
+                     clock: Callable[[], float] = time.time) -> None:
     """Greet the initial peers: compare clocks (warn, or refuse past `net.max_clock_offset`) and, for a
     peer that others must connect to (`serving`), have them dial back; refuse one nobody can reach.
 
@@ -76,7 +78,7 @@ async def check_join(dht: hivemind.DHT, net: NetConfig, serving: bool, clock: Ca
         return
     addrs = visible_addresses(dht)
     ports = sorted({int(Multiaddr(a).value_for_protocol("tcp")) for a in addrs if "/tcp/" in a})
-    greetings = await greet(await dht.replicate_p2p(), peers, ports if serving else [], clock=clock)
+    greetings = await greet(p2p, peers, ports if serving else [], clock=clock)
     if not greetings:
         log.warning("none of the initial peers answered a greeting: clock and reachability not checked")
         return

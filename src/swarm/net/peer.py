@@ -37,7 +37,7 @@ async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool
         p2p = await dht.replicate_p2p()
         faults = FaultFile(net.fault_file) if net.fault_file else None
         client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000)
-        await check_join(dht, net, serving)
+        await check_join(dht, p2p, net, serving)
         directory = Directory(dht, net.run_id, net.record_ttl)
         return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58())
     except BaseException:
