@@ -108,7 +108,6 @@ def assert_exactly_once(summary: dict, orphans_allowed: bool = False) -> None:
         assert delivery == {**expected, **({} if orphans_allowed else {"not_completed": 0})}, (stage, delivery)
 
 
-
 def run_swarm(swarm: LocalSwarm, on_status=None) -> dict:
     """Run the swarm to the end, check replicas' final states while they are up, and report."""
     try:
@@ -119,3 +118,40 @@ def run_swarm(swarm: LocalSwarm, on_status=None) -> dict:
         swarm.stop()
     assert not tracebacks(swarm.run_dir)
     return write_report(swarm.run_dir)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` now (its children, theirs, ...), read from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while being read
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = [p for p, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` that still exist and are not zombies."""
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 
@@ -129,23 +128,27 @@ def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_server_sent_sigterm_leaves_cleanly_and_the_run_goes_on(tmp_path):
+def test_a_server_and_a_trainer_sent_sigterm_leave_cleanly_and_the_run_goes_on(tmp_path):
+    """SIGTERM as systemd, `kill -- -PGID` or a terminal send it: to the peer's whole process group."""
     cfg = small_config(tmp_path, "trainer.target_steps=12")
     swarm = LocalSwarm(cfg)
     leaving = []
 
     def terminate_once(status) -> None:
         if not leaving and status.min_epoch >= 3:
-            leaving.append(swarm.servers(stage=0)[0])
-            os.kill(leaving[0].process.pid, signal.SIGTERM)
+            leaving.extend((swarm.servers(stage=0)[0], swarm.trainers()[1]))
+            for peer in leaving:
+                peer.signal(signal.SIGTERM)
 
     summary = run_swarm(swarm, terminate_once)
 
     assert leaving, "the run ended before the server could be stopped"
-    assert leaving[0].process.returncode == 0
-    log = leaving[0].log_path.read_text()
+    server, trainer = leaving
+    assert server.process.returncode == 0 and trainer.process.returncode == 0
+    log = server.log_path.read_text()
     left = re.search(r"left after ([\d.]+)s", log)
     assert left and float(left.group(1)) <= cfg.server.leave_timeout + 1
+    assert "trainer stopping: finishing the microbatches in flight" in trainer.log_path.read_text()
     assert summary["microbatches_failed"] == 0
     for stage, info in summary["stages"].items():
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)

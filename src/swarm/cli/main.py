@@ -12,6 +12,7 @@ from pathlib import Path
 
 from swarm.config import ConfigError, ConfigMismatch, SwarmConfig, load_config
 from swarm.config.recipes import DEMO
+from swarm.net.lifeline import CutOff, guard
 from swarm.ops.faults import ACTIONS, FaultInjector
 
 
@@ -169,7 +170,7 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
         print(f"Bootstrap peer is up{kept}. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)
         if addr_file:
             Path(addr_file).write_text("\n".join(addrs) + "\n")
-        await stop.wait()
+        await guard(stop.wait(), dht, p2p, cfg.net)
 
     try:
         asyncio.run(wait())
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except CutOff as e:
+        print(f"swarm {args.command}: cut off from the swarm: {e}", file=sys.stderr)
+        return 5
     except ConnectionError as e:  # before OSError, which it is a kind of
         print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
         return 4

@@ -16,6 +16,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarm.config import NetConfig
 from swarm.core.joining import judge_clock, judge_reachability
 from swarm.net.join import greet, peer_ids
+from swarm.net.lifeline import TiedDHT
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,11 @@ def listen_address(net: NetConfig) -> str:
 
 
 def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
-    """A running DHT peer. Client-mode peers (trainers, `swarm status`) reach others but are not
-    reachable, which is what lets them work from behind a NAT."""
+    """A running DHT peer, its processes tied to this one's life (see `swarm.net.lifeline`; start it from
+    the main thread, whose exit ends them). Client-mode peers (trainers, `swarm status`) reach others but
+    are not reachable, which is what lets them work from behind a NAT."""
     try:
-        return hivemind.DHT(
+        return TiedDHT(
             initial_peers=list(net.initial_peers),
             host_maddrs=[listen_address(net)],
             announce_maddrs=list(net.announce_addrs) or None,

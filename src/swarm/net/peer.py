@@ -3,7 +3,9 @@ client it calls stages with, the directory it reads and announces in."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import hivemind
 from hivemind.p2p import P2P
@@ -11,9 +13,12 @@ from hivemind.p2p import P2P
 from swarm.config import NetConfig, WireConfig
 from swarm.net.directory import Directory
 from swarm.net.faultfile import FaultFile
+from swarm.net.lifeline import guard
 from swarm.net.node import check_join, start_dht
 from swarm.net.protocol import Traffic
 from swarm.net.transport import StageClient
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -24,9 +29,14 @@ class SwarmPeer:
     directory: Directory
     faults: FaultFile | None  # fault injection's delay/loss rules for this peer's stage calls, if any
     peer_id: str
+    net: NetConfig
 
     def leave(self) -> None:
         self.dht.shutdown()
+
+    async def guard(self, work: Awaitable[T], *watchers: Awaitable[None]) -> T:
+        """`work`'s result, unless this peer's network stack dies first (see `swarm.net.lifeline.guard`)."""
+        return await guard(work, self.dht, self.p2p, self.net, *watchers)
 
 
 async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool) -> SwarmPeer:
@@ -39,7 +49,7 @@ async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool
         client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000)
         await check_join(dht, p2p, net, serving)
         directory = Directory(dht, net.run_id, net.record_ttl)
-        return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58())
+        return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58(), net)
     except BaseException:
         dht.shutdown()
         raise

@@ -118,6 +118,8 @@ async def _follow(directory: Directory, num_stages: int, show: Callable[[SwarmSt
     while True:
         status = await read_status(directory, num_stages)
         show(status)
+        # the swarm's shape, once learned, outlives a read in which no server's record came through
+        num_stages = announced_num_stages(status.servers) or num_stages
         if every is None:
             return
         await asyncio.sleep(every)

@@ -98,26 +98,31 @@ class StageServer:
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
         try:
-            await self._check_configs()
-            p2p, half_rtt = self.peer.p2p, cfg.net.emulated_rtt_ms / 2000
-            await JoinServicer(p2p).add_p2p_handlers(p2p)
-            await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
-                                half_rtt).add_p2p_handlers(p2p)
-            stage = cfg.server.stage
-            if cfg.server.auto_stage:
-                stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
-            while True:
-                jobs = await self._enter(stage)
-                target = await self._serve_until_stop_or_move(jobs)
-                await self._leave(jobs, target)
-                if target is None:
-                    break
-                self._write_summary()  # the summary of the stage it leaves, as a replica that left
-                stage = target
+            await self.peer.guard(self._serve_stages())
         finally:
             self._write_summary()
             self.gate.close()
             self.peer.leave()
+
+    async def _serve_stages(self) -> None:
+        """Serve a stage, and the next one the mover picks, until stopped."""
+        cfg = self.cfg
+        await self._check_configs()
+        p2p, half_rtt = self.peer.p2p, cfg.net.emulated_rtt_ms / 2000
+        await JoinServicer(p2p).add_p2p_handlers(p2p)
+        await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
+                            half_rtt).add_p2p_handlers(p2p)
+        stage = cfg.server.stage
+        if cfg.server.auto_stage:
+            stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
+        while True:
+            jobs = await self._enter(stage)
+            target = await self._serve_until_stop_or_move(jobs)
+            await self._leave(jobs, target)
+            if target is None:
+                break
+            self._write_summary()  # the summary of the stage it leaves, as a replica that left
+            stage = target
 
     async def _check_configs(self) -> None:
         for records in (await self.peer.directory.stages(self.cfg.model.num_stages)).values():

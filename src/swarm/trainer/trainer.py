@@ -27,6 +27,7 @@ import torch
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash
 from swarm.data import SampleShard, load_documents, split_inputs_targets
 from swarm.net.directory import short
+from swarm.net.lifeline import CutOff
 from swarm.net.peer import join
 from swarm.net.protocol import Traffic
 from swarm.results import PeerResults
@@ -37,6 +38,10 @@ from swarm.trainer.view import SwarmView
 from swarm.wire.records import TrainerRecord
 
 log = logging.getLogger("swarm.trainer")
+
+
+class StageUnreachable(CutOff):
+    """A stage has had no server for longer than `trainer.no_server_timeout`."""
 
 
 class Trainer:
@@ -82,23 +87,44 @@ class Trainer:
             self.progress.started = time.time()
             log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
                      short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
-            await self.view.refresh(self.directory)
-            self._check_config()
-            background = [asyncio.create_task(t) for t in (
-                self._refresh_loop(), self.keeper.loop(), self.progress.loop(short(self.peer_id)))]
-            await self._feed(batches)
-            self.done = True
-            await self._announce()
-            self.unresolved = await self.keeper.settle()
-            for task in background:
-                task.cancel()
-            await self._announce()
+            await peer.guard(self._train(batches), self._watch_stages())
             log.info("trainer %s done: %d samples, %d microbatches failed, %d retries, %d gradients replayed",
                      short(self.peer_id), self.progress.samples(), self.failed, self.caller.retries,
                      self.keeper.replays)
         finally:
             self._write_summary()
             peer.leave()
+
+    async def _train(self, batches) -> None:
+        await self.view.refresh(self.directory)
+        self._check_config()
+        background = [asyncio.create_task(t) for t in (
+            self._refresh_loop(), self.keeper.loop(), self.progress.loop(short(self.peer_id)))]
+        try:
+            await self._feed(batches)
+            self.done = True
+            await self._announce()
+            self.unresolved = await self.keeper.settle()
+        finally:
+            for task in background:
+                task.cancel()
+        await self._announce()
+
+    async def _watch_stages(self) -> None:
+        """Raise `StageUnreachable` once a stage has had no server for `trainer.no_server_timeout` seconds."""
+        limit = self.tc.no_server_timeout
+        empty_since: dict[int, float] = {}
+        while limit:
+            await asyncio.sleep(self.cfg.net.announce_period)
+            now = time.monotonic()
+            for stage, servers in self.view.servers.items():
+                if servers:
+                    empty_since.pop(stage, None)
+                    continue
+                since = empty_since.setdefault(stage, now)
+                if now - since > limit:
+                    raise StageUnreachable(f"stage {stage} has had no server for {now - since:.0f}s "
+                                           f"(trainer.no_server_timeout={limit:g})")
 
     async def _feed(self, batches) -> None:
         """Keep `trainer.max_inflight` microbatches in the pipeline until the run is over."""

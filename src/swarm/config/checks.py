@@ -1,0 +1,16 @@
+"""How configuration sections fail: one error type, raised with the field named."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or inconsistent; the message names the field."""
+
+
+class ConfigMismatch(ConfigError):
+    """Another peer of the same run uses other settings where all must agree (see `agreed`)."""
+
+
+def require(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {message}")

@@ -1,0 +1,157 @@
+"""Configuration of each role a peer can take: a stage server (and how servers move between stages), a
+trainer, and the launcher of a local swarm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarm.config.checks import require
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One stage server."""
+
+    stage: int = 0
+    # join where the swarm needs a server most (the stage with the least capacity) instead of `stage`
+    auto_stage: bool = False
+    name: str = ""  # a label for this server in logs and in the DHT (e.g. the machine's name)
+    device: str = "cpu"  # cpu, cuda, cuda:N
+    autocast: str = "none"  # none, bf16, fp16
+    threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    max_request_samples: int = 64  # larger requests are refused
+    # Forward requests that queue up are merged into one batch of up to this many samples (0: never).
+    # Merging pays on a GPU; on a CPU it does not, and a merged batch's graph must wait for every
+    # member's gradient, so the default is off.
+    merge_samples: int = 0
+    graph_ttl: float = 120.0  # seconds a kept forward graph waits for its backward
+    batch_backward_wait: float = 1.0  # seconds a batched forward's graph waits for all its requests' gradients
+    leave_timeout: float = 10.0  # seconds a leaving server spends finishing the work it accepted
+    download_timeout: float = 60.0  # seconds a download of the stage's state from a replica may take
+    checkpoint_dir: str | None = None  # where the stage is checkpointed, and resumed from on start
+    checkpoint_every: int = 10  # optimizer steps between checkpoints
+    keep_checkpoints: int = 2  # newest checkpoints kept per stage
+    # compute takes this many times its CPU time (the server sleeps the difference): a slower machine,
+    # for building swarms of unequal servers on one host (measured with one torch thread per server)
+    slowdown: float = 1.0
+    # seconds every forward and backward reply waits before it is sent (a slow or distant server). The
+    # wait counts in the throughput the server announces, so stochastic wiring sends it less work.
+    reply_delay: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
+        require(self.slowdown >= 1.0, "server.slowdown", f"must be >= 1, got {self.slowdown}")
+        require(self.reply_delay >= 0, "server.reply_delay", f"must be >= 0, got {self.reply_delay}")
+        require(
+            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:"),
+            "server.device",
+            f"must be cpu, cuda or cuda:N, got {self.device!r}",
+        )
+        require(self.autocast in ("none", "bf16", "fp16"), "server.autocast", "must be none, bf16 or fp16")
+        require(self.threads >= 0, "server.threads", "must be >= 0")
+        require(self.max_request_samples > 0, "server.max_request_samples", "must be positive")
+        require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")
+        require(self.batch_backward_wait >= 0, "server.batch_backward_wait", "must be >= 0")
+        require(self.leave_timeout >= 0, "server.leave_timeout", "must be >= 0")
+        require(self.download_timeout > 0, "server.download_timeout", "must be positive")
+        require(self.checkpoint_every > 0, "server.checkpoint_every", "must be positive")
+        require(self.keep_checkpoints > 0, "server.keep_checkpoints", "must be positive")
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    """Servers move between stages so that no stage is the pipeline's bottleneck (`swarm.core.rebalance`).
+
+    Every server looks at the swarm's layout (each stage's servers and measured throughputs) every
+    `period` seconds. The move the policy names is made only once every server of the swarm has served
+    its stage for `cooldown` seconds (long enough to measure its throughput there), and only by the
+    server it names, after a random delay of up to `jitter` seconds and a second look.
+    """
+
+    enabled: bool = True
+    period: float = 5.0
+    min_gain: float = 1.2  # a move must raise the bottleneck stage's capacity by this factor
+    cooldown: float = 30.0
+    jitter: float = 2.0
+
+    def __post_init__(self) -> None:
+        require(self.period > 0, "rebalance.period", "must be positive")
+        require(self.min_gain >= 1.0, "rebalance.min_gain", f"must be >= 1, got {self.min_gain}")
+        require(self.cooldown >= 0, "rebalance.cooldown", "must be >= 0")
+        require(self.jitter >= 0, "rebalance.jitter", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """One trainer: feeds microbatches through the swarm."""
+
+    microbatch_size: int = 4
+    max_inflight: int = 4  # microbatches in the pipeline at once
+    # how a server is picked per stage: "random" (throughput-weighted draws; keeps many trainers from
+    # herding onto one server) or "wrr" (smooth weighted round-robin; lower variance for a lone trainer)
+    routing: str = "random"
+    target_steps: int = 20  # the run ends once every stage has taken this many optimizer steps
+    # seconds before a call is abandoned and retried elsewhere; longer than net.allreduce_timeout, since
+    # requests queue behind the stage's all-reduce
+    request_timeout: float = 60.0
+    # calls time out at their measured latency plus four deviations, but never sooner than this
+    min_request_timeout: float = 5.0
+    # after its last microbatch, how long a trainer waits for the stages to confirm every gradient
+    settle_timeout: float = 60.0
+    # a stage gradient that only one replica's step holds (no second replica, no checkpoint) is kept for
+    # replay until the stage is this many steps further: memory against losing a lone replica's steps
+    keep_epochs: int = 4
+    ban_seconds: float = 15.0  # a server that failed is not picked again for this long
+    max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
+    index: int = 0  # this trainer's data shard
+    num_trainers: int = 1
+    # seconds between progress lines in the log (a progress bar instead where stderr is a terminal); also
+    # the window of the samples/s a trainer announces
+    progress_every: float = 5.0
+    # seconds a stage may have no server before the trainer gives up and exits with an error (0: wait forever)
+    no_server_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers", "keep_epochs"):
+            require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
+        for name in ("request_timeout", "min_request_timeout", "settle_timeout", "progress_every"):
+            require(getattr(self, name) > 0, f"trainer.{name}", "must be positive")
+        require(self.routing in ("random", "wrr"), "trainer.routing", f"must be random or wrr, got {self.routing!r}")
+        require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")
+        require(self.no_server_timeout >= 0, "trainer.no_server_timeout", "must be >= 0")
+        require(
+            0 <= self.index < self.num_trainers,
+            "trainer.index",
+            f"must be in [0, trainer.num_trainers), got {self.index} of {self.num_trainers}",
+        )
+
+
+@dataclass(frozen=True)
+class LocalSwarmConfig:
+    """Shape of a swarm launched on this machine by `swarm demo` / `swarm local`."""
+
+    servers_per_stage: int = 2
+    layout: tuple[int, ...] = ()  # servers started for each stage, e.g. [4, 1, 1]; overrides servers_per_stage
+    # server.slowdown of each server in start order (stage 0's first), for a swarm of unequal machines;
+    # servers beyond the list run at full speed
+    slowdowns: tuple[float, ...] = ()
+    reply_delays: tuple[float, ...] = ()  # server.reply_delay of each server in start order, likewise
+    trainers: int = 2
+    threads_per_peer: int = 1
+    timeout: float = 600.0  # seconds before the launcher gives up on the run
+    # every server and trainer on a network namespace host of its own, so that `swarm fault cut|shape`
+    # can act on its link (needs root and iproute2)
+    netns: bool = False
+    # with netns: every peer's link (servers' and trainers') limited to this rate each way (0: unlimited)
+    link_mbit: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
+        require(all(n >= 0 for n in self.layout), "local.layout", f"counts must be >= 0, got {list(self.layout)}")
+        require(all(f >= 1 for f in self.slowdowns), "local.slowdowns", f"must be >= 1, got {list(self.slowdowns)}")
+        require(all(d >= 0 for d in self.reply_delays), "local.reply_delays",
+                 f"must be >= 0, got {list(self.reply_delays)}")
+        require(self.trainers > 0, "local.trainers", "must be positive")
+        require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
+        require(self.link_mbit >= 0, "local.link_mbit", f"must be >= 0, got {self.link_mbit}")
+        require(self.netns or not self.link_mbit, "local.link_mbit", "needs local.netns = true")
