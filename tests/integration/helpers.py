@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import torch
@@ -106,6 +107,14 @@ def assert_exactly_once(summary: dict, orphans_allowed: bool = False) -> None:
             delivery.pop("not_completed")
         expected = {"steps_seen": info["steps"], "conflicting_steps": 0, "duplicated": 0, "missing": 0}
         assert delivery == {**expected, **({} if orphans_allowed else {"not_completed": 0})}, (stage, delivery)
+
+
+def finish(swarm: LocalSwarm) -> None:
+    """Tell every trainer to finish, as an operator would (SIGTERM to its process group: it lets its
+    microbatches in flight complete and their gradients settle, then exits): a run that has shown what a
+    test looks for need not train on to a fixed target."""
+    for trainer in swarm.trainers():
+        trainer.signal(signal.SIGTERM)
 
 
 def run_swarm(swarm: LocalSwarm, on_status=None) -> dict:

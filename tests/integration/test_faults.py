@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from swarm.ops import netlab
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, Peer
 
-from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, server_steps, small_config
+from .helpers import assert_exactly_once, assert_replicas_in_step, finish, run_swarm, server_steps, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -220,8 +219,7 @@ def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):
         elif (len(faults.events) == 4 and "end" not in epochs and len(set(stage1.values())) == 1
               and isolated[0].name in stage1 and min(stage1.values()) >= epochs["heal"] + 2):
             epochs["end"] = min(stage1.values())  # caught up, and stepping with the other replica
-            for trainer in swarm.trainers():
-                trainer.process.send_signal(signal.SIGTERM)
+            finish(swarm)
 
     swarm.start = start
     summary = run_swarm(swarm, inject)

@@ -12,7 +12,7 @@ from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, SwarmStatus
 from swarm.ops.report import read_moves
 
-from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, small_config
+from .helpers import assert_exactly_once, assert_replicas_in_step, finish, run_swarm, small_config
 
 pytestmark = pytest.mark.integration
 
@@ -41,6 +41,22 @@ class LayoutWatch:
         return next(h for h in self.history if tuple(len(h[1][k]) for k in sorted(h[1])) == counts)
 
 
+class FinishWhen:
+    """Records the layout, and tells the trainers to finish once `shown(watch, status)` holds: the run
+    has shown what the test looks for (its trainers' target is set far beyond it)."""
+
+    def __init__(self, swarm: LocalSwarm, shown) -> None:
+        self.swarm, self.shown = swarm, shown
+        self.watch = LayoutWatch()
+        self.finished = False
+
+    def __call__(self, status: SwarmStatus) -> None:
+        self.watch(status)
+        if not self.finished and self.shown(self.watch, status):
+            self.finished = True
+            finish(self.swarm)
+
+
 def final_members(watch: LayoutWatch) -> dict[int, list[str]]:
     """The layout while the trainers still ran (as they finish, servers leave)."""
     return watch.history[-1][1]
@@ -51,11 +67,18 @@ def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path
     """Six equal servers started 4/1/1 over three stages: two of the crowded stage's servers move, one
     to each starved stage, and the swarm trains on at 2/2/2 with nothing lost or doubled."""
     cfg = rebalancing_config(
-        tmp_path, "model.num_stages=3", "model.n_layers=3", "local.layout=[4,1,1]", "trainer.target_steps=60"
+        tmp_path, "model.num_stages=3", "model.n_layers=3", "local.layout=[4,1,1]", "trainer.target_steps=1000"
     )
-    watch = LayoutWatch()
+    swarm = LocalSwarm(cfg)
+
+    def trained_on_once_balanced(watch: LayoutWatch, status: SwarmStatus) -> bool:
+        balanced = [h for h in watch.history if [len(h[1][k]) for k in sorted(h[1])] == [2, 2, 2]]
+        return bool(balanced) and status.min_epoch >= balanced[0][2] + 10
+
+    finishing = FinishWhen(swarm, trained_on_once_balanced)
+    watch = finishing.watch
     started = time.monotonic()
-    summary = run_swarm(LocalSwarm(cfg), watch)
+    summary = run_swarm(swarm, finishing)
 
     made = read_moves(tmp_path)
     assert [(m["source"], m["name"].startswith("server-s0-")) for m in made] == [(0, True), (0, True)], made
@@ -72,19 +95,25 @@ def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path
 def test_servers_come_to_a_stage_that_lost_all_but_one(tmp_path):
     """Once the layout has settled, every server of stage 1 but one is killed: a server of stage 0
     moves to stage 1, and training goes on with nothing lost or doubled."""
-    cfg = rebalancing_config(tmp_path, "local.layout=[3,3]", "optim.target_batch_size=48", "trainer.target_steps=80")
+    cfg = rebalancing_config(tmp_path, "local.layout=[3,3]", "optim.target_batch_size=48",
+                             "trainer.target_steps=1000")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
-    watch = LayoutWatch()
+    moved_at: list[int] = []  # the swarm's epoch when the first move after the kill was seen
 
-    def inject(status: SwarmStatus) -> None:
-        watch(status)
+    def kill_then_wait_for_a_newcomer(watch: LayoutWatch, status: SwarmStatus) -> bool:
         settled = time.monotonic() - watch.history[-1][0] > cfg.rebalance.cooldown + 2
         if not faults.events and settled and status.min_epoch >= 5:
             for victim in swarm.serving(status, 1)[:-1]:
                 faults.kill(victim)
+        if faults.events and not moved_at and any(m["time"] > faults.events[0].time for m in read_moves(tmp_path)):
+            moved_at.append(status.min_epoch)
+        # finished once the stage has a second server again and the swarm stepped on with it
+        return bool(moved_at) and len(status.members.get(1, [])) >= 2 and status.min_epoch >= moved_at[0] + 3
 
-    summary = run_swarm(swarm, inject)
+    finishing = FinishWhen(swarm, kill_then_wait_for_a_newcomer)
+    watch = finishing.watch
+    summary = run_swarm(swarm, finishing)
 
     killed_at = faults.events[0].time
     after = [m for m in read_moves(tmp_path) if m["time"] > killed_at]
@@ -105,13 +134,21 @@ def test_unequal_servers_balance_capacity_not_counts(tmp_path):
     never do."""
     cfg = rebalancing_config(
         tmp_path, "local.layout=[2,2]", "local.slowdowns=[1,12,12,12]", "optim.target_batch_size=48",
-        "trainer.target_steps=50",
+        "trainer.target_steps=1000",
     )
-    watch = LayoutWatch()
-    summary = run_swarm(LocalSwarm(cfg), watch)
+    swarm = LocalSwarm(cfg)
+    expected = {0: ["server-s0-1"], 1: ["server-s0-2", "server-s1-3", "server-s1-4"]}
+
+    def trained_on_at_one_to_three(watch: LayoutWatch, status: SwarmStatus) -> bool:
+        there = [h for h in watch.history if h[1] == expected]
+        return bool(there) and status.min_epoch >= there[0][2] + 5
+
+    finishing = FinishWhen(swarm, trained_on_at_one_to_three)
+    watch = finishing.watch
+    summary = run_swarm(swarm, finishing)
 
     made = read_moves(tmp_path)
     assert [(m["name"], m["source"], m["target"]) for m in made] == [("server-s0-2", 0, 1)], made
-    assert final_members(watch) == {0: ["server-s0-1"], 1: ["server-s0-2", "server-s1-3", "server-s1-4"]}
+    assert final_members(watch) == expected
     assert_exactly_once(summary)
     assert_replicas_in_step(summary, tmp_path)

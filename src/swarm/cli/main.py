@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", help="the stage to serve, or 'auto': the one with the least capacity now")
     p.add_argument("--device", help="cpu, cuda or cuda:N")
     p.add_argument("--resume", metavar="DIR", help="checkpoint the stage into DIR, resuming from it if it holds one")
+    p.add_argument("--fresh-stage", action="store_true",
+                   help="serve the stage from its initial weights even mid-run when no replica or copy of it is "
+                        "left (its training so far is lost); without it such a server waits for a copy")
+    p = sub.add_parser("backup", help="hold a copy of every stage's state, for stages that lose all replicas")
+    _common(p)
     p = sub.add_parser("trainer", help="feed microbatches through the swarm")
     _common(p)
     p.add_argument("--index", type=int, help="this trainer's data shard")
@@ -103,6 +108,8 @@ def _report(args: argparse.Namespace) -> None:
 
 def _config(args: argparse.Namespace) -> SwarmConfig:
     overrides = list(args.overrides)
+    if getattr(args, "fresh_stage", False):
+        overrides.append("server.fresh_start=true")
     if getattr(args, "stage", None) == "auto":
         overrides.append("server.auto_stage=true")
         args.stage = None
@@ -206,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             from swarm.server.lifecycle import StageServer
 
             StageServer(cfg).run()
+        elif args.command == "backup":
+            from swarm.backup.role import run_backup_peer
+
+            run_backup_peer(cfg)
         elif args.command == "trainer":
             from swarm.trainer.trainer import Trainer
 

@@ -3,6 +3,7 @@
 from swarm.config.agreement import agreed, config_hash, describe_mismatch, model_fingerprint
 from swarm.config.loader import load_config, replace, to_toml
 from swarm.config.schema import (
+    BackupConfig,
     ConfigError,
     ConfigMismatch,
     DataConfig,
@@ -18,6 +19,7 @@ from swarm.config.schema import (
 )
 
 __all__ = [
+    "BackupConfig",
     "ConfigError",
     "ConfigMismatch",
     "DataConfig",

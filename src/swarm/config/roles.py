@@ -37,6 +37,10 @@ class ServerConfig:
     # seconds every forward and backward reply waits before it is sent (a slow or distant server). The
     # wait counts in the throughput the server announces, so stochastic wiring sends it less work.
     reply_delay: float = 0.0
+    # serve the stage from its initial weights even though the run has progressed and no replica, copy or
+    # checkpoint of it can be reached: the stage's training so far is lost (every peer's summary says so).
+    # Without it such a server waits for a copy to appear.
+    fresh_start: bool = False
 
     def __post_init__(self) -> None:
         require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
@@ -56,6 +60,31 @@ class ServerConfig:
         require(self.download_timeout > 0, "server.download_timeout", "must be positive")
         require(self.checkpoint_every > 0, "server.checkpoint_every", "must be positive")
         require(self.keep_checkpoints > 0, "server.keep_checkpoints", "must be positive")
+
+
+@dataclass(frozen=True)
+class BackupConfig:
+    """Copies of each stage's state held outside the stage (`swarm.core.backups`), so that losing every
+    replica of a stage at once loses at most `every` of its steps.
+
+    Each stage's copy is held by `holders` servers of other stages, chosen by rendezvous hashing, and by
+    every `swarm backup` peer. A holder looks every `period` seconds and downloads the stage's state from
+    its most advanced replica once the stage is `every` steps past its copy. Copies live in the holder's
+    memory (CPU), up to `max_mb` in all: a holder refuses copies beyond that and logs so.
+    """
+
+    every: int = 10
+    holders: int = 1  # 0: servers hold no copies (`swarm backup` peers still do)
+    period: float = 5.0
+    max_mb: float = 0.0  # 0: no limit
+    download_timeout: float = 120.0  # seconds one copy's download may take
+
+    def __post_init__(self) -> None:
+        require(self.every > 0, "backup.every", f"must be positive, got {self.every}")
+        require(self.holders >= 0, "backup.holders", f"must be >= 0, got {self.holders}")
+        require(self.period > 0, "backup.period", "must be positive")
+        require(self.max_mb >= 0, "backup.max_mb", "must be >= 0")
+        require(self.download_timeout > 0, "backup.download_timeout", "must be positive")
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.config.checks import ConfigError, ConfigMismatch, require
-from swarm.config.roles import LocalSwarmConfig, RebalanceConfig, ServerConfig, TrainerConfig
+from swarm.config.roles import BackupConfig, LocalSwarmConfig, RebalanceConfig, ServerConfig, TrainerConfig
 from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, Policy
 
-__all__ = ["ConfigError", "ConfigMismatch", "DataConfig", "LocalSwarmConfig", "ModelConfig", "NetConfig", "OptimConfig",
-           "RebalanceConfig", "ServerConfig", "SwarmConfig", "TrainerConfig", "WireConfig"]
+__all__ = [
+    "BackupConfig", "ConfigError", "ConfigMismatch", "DataConfig", "LocalSwarmConfig", "ModelConfig", "NetConfig",
+    "OptimConfig", "RebalanceConfig", "ServerConfig", "SwarmConfig", "TrainerConfig", "WireConfig",
+]
 
 
 # /ip4/ADDR/tcp/PORT, /ip6/..., /dns/NAME/tcp/PORT; the port captured
@@ -225,6 +227,7 @@ class SwarmConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    backup: BackupConfig = field(default_factory=BackupConfig)
     local: LocalSwarmConfig = field(default_factory=LocalSwarmConfig)
     run_dir: str = "runs/demo"
 

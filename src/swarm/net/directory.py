@@ -12,7 +12,15 @@ import logging
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
-from swarm.wire.records import RecordError, ServerRecord, TrainerRecord, stage_key, trainers_key
+from swarm.wire.records import (
+    BackupRecord,
+    RecordError,
+    ServerRecord,
+    TrainerRecord,
+    backup_key,
+    stage_key,
+    trainers_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,16 @@ class Directory:
         return _parse(found, TrainerRecord.from_value)
 
 
+    async def announce_backup(self, record: BackupRecord, ttl: float) -> None:
+        await self.dht.store(backup_key(self.run_id, record.stage), record.to_value(),
+                             expiration_time=get_dht_time() + ttl, subkey=record.peer_id, return_future=True)
+
+    async def backups(self, stage: int) -> list[BackupRecord]:
+        """The copies of a stage held outside it (see swarm.core.backups)."""
+        found = await self.dht.get(backup_key(self.run_id, stage), latest=True, return_future=True)
+        return [r for r in _parse(found, BackupRecord.from_value) if r.stage == stage]
+
+
 def _parse(found, parse):
     if found is None or not isinstance(found.value, dict):
         return []
@@ -71,6 +89,15 @@ def _parse(found, parse):
         except (RecordError, TypeError) as e:
             log.debug("ignoring malformed record from %s: %s", subkey, e)
     return records
+
+
+def note_fresh_start(noted: dict[str, dict], record: ServerRecord) -> None:
+    """Remember, and log once, a replica whose operator started its stage afresh mid-run (`fresh`): every
+    peer's summary lists them, since the stage's training before that is lost."""
+    if record.fresh and record.peer_id not in noted:
+        noted[record.peer_id] = {"stage": record.stage, "time": record.fresh}
+        log.warning("stage %d was started afresh by %s: its training before that is lost",
+                    record.stage, short(record.peer_id))
 
 
 def short(peer_id: str) -> str:

@@ -45,6 +45,8 @@ class StageHandler(Protocol):
 
     async def ledger(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
+    async def backup(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
+
 
 class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler, faults: FaultFile | None = None, policy: Policy = EXACT,
@@ -93,4 +95,8 @@ class StageServicer(ServicerBase):
 
     async def rpc_ledger(self, requests: Requests, context: P2PContext) -> Responses:
         async for msg in self._serve(self.handler.ledger, requests, context):
+            yield msg
+
+    async def rpc_backup(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.backup, requests, context):
             yield msg

@@ -19,16 +19,26 @@ from swarm.net.directory import short  # noqa: E402
 
 def read_steps(run_dir: Path, superseded: bool = True) -> dict[int, list[dict[str, Any]]]:
     """Every step every server logged (killed ones too), by stage: one list per server. Without
-    `superseded`, less the steps a server later replaced by loading a peer's state of that epoch or
-    newer (a branch of the stage's history that the stage did not go on from)."""
+    `superseded`, less the branches of the stage's history that the stage did not go on from: the steps a
+    server later replaced by loading a peer's state of that epoch or newer, and, where every replica of
+    the stage died and a server restored it from an older copy, the steps taken before the restore
+    beyond the copy's epoch (lost with their replicas)."""
+    paths = sorted((run_dir / "peers").glob("server-s*.steps.jsonl"))
+    stage_of = {path: int(path.name.split("-")[1][1:]) for path in paths}
+    loads = {path: _jsonl(path.with_name(path.name.replace(".steps.", ".loads."))) for path in paths}
+    restores: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((run_dir / "peers").glob("server-s*.loads.jsonl")):
+        stage = int(path.name.split("-")[1][1:])
+        restores.setdefault(stage, []).extend(load for load in _jsonl(path) if load.get("restored"))
     steps: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted((run_dir / "peers").glob("server-s*.steps.jsonl")):
+    for path in paths:
         records = _jsonl(path)
         if not superseded:
-            loads = _jsonl(path.with_name(path.name.replace(".steps.", ".loads.")))
+            lost = restores.get(stage_of[path], [])
             records = [r for r in records
-                       if not any(r["time"] <= load["time"] and r["epoch"] <= load["epoch"] for load in loads)]
-        steps.setdefault(int(path.name.split("-")[1][1:]), []).append(records)
+                       if not any(r["time"] <= load["time"] and r["epoch"] <= load["epoch"] for load in loads[path])
+                       and not any(r["time"] <= x["time"] and r["epoch"] > x["epoch"] for x in lost)]
+        steps.setdefault(stage_of[path], []).append(records)
     return steps
 
 
@@ -86,6 +96,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         st["steps"] = max(merged, default=0)
         st["samples_stepped"] = sum(merged.values())
         st["samples_by_step"] = [merged.get(e, 0) for e in range(1, st["steps"] + 1)]
+        # the times every replica of the stage was lost and a server took an older state: steps lost each
+        st["restores"] = sorted((s["entry"] for s in servers if s["stage"] == stage and s.get("entry")
+                                 and s["entry"]["action"] in ("restore", "resume")), key=lambda e: e["time"])
     start = min((t["started"] for t in trainers if t["started"]), default=None)
     end = completed[-1][0] if completed else None
     samples = sum(c[1] for c in completed)
@@ -105,6 +118,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "stages": {str(k): v for k, v in sorted(stages.items())},
         "wire": wire_summary(peers, samples),
         "staleness": staleness_summary(servers),
+        # stages an operator started afresh mid-run (`--fresh-stage`), as any peer saw them
+        "fresh_starts": sorted({(f["stage"], f["time"]) for p in peers for f in p.get("fresh_starts", [])}
+                               | {(s["stage"], s["fresh_start"]) for s in servers if s.get("fresh_start")}),
         "moves": [{k: m[k] for k in ("time", "name", "peer_id", "source", "target", "before", "after")}
                   for m in read_moves(run_dir)],
         "_completed": completed,

@@ -49,6 +49,7 @@ class Announcer:
             name=self.name,
             optim=self.agreed["optim"],
             protocol=PROTOCOL_VERSION,
+            fresh=st.fresh,
         )
 
     async def announce(self) -> None:

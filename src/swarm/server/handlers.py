@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from swarm.backup.keeper import BackupKeeper
 from swarm.config import ModelConfig, ServerConfig
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
@@ -45,6 +46,7 @@ class StageHandlers:
         self.batcher: Batcher | None = None
         self.replies = ReplyCache()
         self.reduce_with: Callable[[dict, list, str], Any] | None = None  # the stage's all-reduce
+        self.backups: BackupKeeper | None = None  # the copies of other stages this server holds
 
     def enter(self, stage: ServedStage, batcher: Batcher, reduce_with: Callable) -> None:
         self.stage, self.batcher, self.reduce_with = stage, batcher, reduce_with
@@ -184,6 +186,11 @@ class StageHandlers:
         pending = [r for k, r in keys.items() if k in rt.pending]
         committed = {r: e for k, r in keys.items() if (e := rt.committed.get(k)) is not None}
         return {"epoch": epoch, "committed": committed, "pending": pending, "durable": st.durable_epoch}, []
+
+    async def backup(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        if self.backups is None:
+            raise Unavailable("this server holds no copies of other stages")
+        return await self.backups.serve(StageQuery.from_meta(meta).stage)
 
     async def reduce(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         self._serving(StageQuery.from_meta(meta).stage)

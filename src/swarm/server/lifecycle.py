@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.allreduce import StageAllReduce
+from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
@@ -34,6 +35,7 @@ from swarm.server.batching import Batcher
 from swarm.server.gate import ComputeGate
 from swarm.server.handlers import StageHandlers
 from swarm.server.moving import Mover, least_served_stage
+from swarm.server.restoring import take_stage_state
 from swarm.server.stage import ServedStage
 from swarm.server.stepping import Stepper
 from swarm.server.transfer import StateTransfer
@@ -112,17 +114,26 @@ class StageServer:
         await JoinServicer(p2p).add_p2p_handlers(p2p)
         await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
                             half_rtt).add_p2p_handlers(p2p)
-        stage = cfg.server.stage
-        if cfg.server.auto_stage:
-            stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
-        while True:
-            jobs = await self._enter(stage)
-            target = await self._serve_until_stop_or_move(jobs)
-            await self._leave(jobs, target)
-            if target is None:
-                break
-            self._write_summary()  # the summary of the stage it leaves, as a replica that left
-            stage = target
+        self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net.record_ttl,
+                                   self.peer.client, self.peer.directory, self._serving_stage)
+        self.handlers.backups = self.keeper
+        keeping = asyncio.create_task(self.keeper.loop())
+        try:
+            stage = cfg.server.stage
+            if cfg.server.auto_stage:
+                stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
+            while (jobs := await self._enter(stage)) is not None:
+                target = await self._serve_until_stop_or_move(jobs)
+                await self._leave(jobs, target)
+                if target is None:
+                    break
+                self._write_summary()  # the summary of the stage it leaves, as a replica that left
+                stage = target
+        finally:
+            keeping.cancel()
+
+    def _serving_stage(self) -> int | None:
+        return self.stage.index if self.stage is not None and self.stage.serving else None
 
     async def _check_configs(self) -> None:
         for records in (await self.peer.directory.stages(self.cfg.model.num_stages)).values():
@@ -137,8 +148,9 @@ class StageServer:
     def _results_name(self, stage: int) -> str:
         return f"server-s{stage}-{self.peer.peer_id[-8:]}"
 
-    async def _enter(self, index: int) -> StageJobs:
-        """Build the stage's module, take its newest state (from disk or from its live replicas), announce."""
+    async def _enter(self, index: int) -> StageJobs | None:
+        """Build the stage's module, take its newest state (from disk, its live replicas or a copy held
+        outside it), announce; None if stopped before it could serve."""
         cfg, peer, gate = self.cfg, self.peer, self.gate
         self.traffic.counts.clear()
         st = await gate.run(ServedStage.build, cfg.model, cfg.optim, cfg.server, index, peer.peer_id, self.label)
@@ -147,7 +159,8 @@ class StageServer:
         batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)
         announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st)
         name = self._results_name(index)
-        transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout)
+        transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout,
+                                 self.keeper.local)
         allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal)
         stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,
                           allreduce, announcer, transfer, self.results, f"{name}.steps.jsonl", self.rng)
@@ -156,9 +169,9 @@ class StageServer:
         self.stage = st
         self.handlers.enter(st, batcher, allreduce.contribute)
         transfer.resume_from_disk()
-        ahead = [r for r in await peer.directory.stage(index) if r.epoch > st.runtime.epoch]
-        if ahead:
-            await transfer.download(ahead)
+        if not await take_stage_state(st, transfer, peer.directory, self.hash, cfg.model.num_stages,
+                                      cfg.server.fresh_start, self.stop):
+            return None
         st.serving = True
         log.info("stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
                  index, self.label, " ".join(visible_addresses(peer.dht)), st.runtime.epoch, cfg.server.device)
@@ -236,5 +249,8 @@ class StageServer:
             "traffic": self.traffic.as_dict(),
             "busy_seconds": self.gate.busy_seconds - st.busy_start,
             "alive_seconds": time.time() - st.started,
+            "entry": st.entry,  # how it took the stage's state when no replica was left, if it had to
+            "fresh_start": st.fresh,
             **st.counters,
+            **(self.keeper.summary() if hasattr(self, "keeper") else {}),
         }, indent=1)

@@ -84,6 +84,8 @@ class ServedStage:
         self.moving_to: int | None = None  # the stage this server is about to move to
         self.drained = False  # moving, and done with this stage's work: it takes no more of it
         self.stale_logged = -1  # the last epoch at which this replica said it is behind
+        self.entry: dict | None = None  # how it took the stage's state with no replica left (swarm.server.restoring)
+        self.fresh = 0.0  # unix time it started the stage afresh mid-run, at its operator's word (0: it did not)
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,

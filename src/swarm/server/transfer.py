@@ -6,34 +6,44 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
 
 from swarm.net.directory import short
 from swarm.net.transport import CallFailed, StageClient
 from swarm.results import PeerResults
 from swarm.server.gate import ComputeGate
 from swarm.server.stage import ServedStage
-from swarm.wire.records import ServerRecord
+from swarm.wire.records import BackupRecord, ServerRecord
 
 log = logging.getLogger("swarm.server")
+Reply = tuple[dict[str, Any], list[torch.Tensor]]
 UNUSABLE = (KeyError, TypeError, ValueError, RuntimeError)  # how a state that does not fit the stage fails
 
 
 class StateTransfer:
     def __init__(self, stage: ServedStage, gate: ComputeGate, client: StageClient, results: PeerResults,
-                 results_name: str, timeout: float):
+                 results_name: str, timeout: float, local_copy: Callable[[int], Reply | None]):
+        """`local_copy`: this peer's own copy of a stage, if it holds one (a server that moves into a stage
+        it held the copy of takes it from itself)."""
         self.stage = stage
         self.gate = gate
         self.client = client
         self.results, self.loads_file = results, f"{results_name}.loads.jsonl"
         self.timeout = timeout
+        self.local_copy = local_copy
 
-    async def download(self, candidates: list[ServerRecord], force: bool = False) -> bool:
+    async def download(self, candidates: Sequence[ServerRecord | BackupRecord], force: bool = False,
+                       method: str = "state") -> bool:
         """Load parameters and optimizer state from the most advanced replica that answers (with `force`,
-        one at our own epoch too); whether one was loaded."""
+        one at our own epoch too), or with `method="backup"` from a copy held outside the stage; whether
+        one was loaded."""
         st = self.stage
         for source in sorted(candidates, key=lambda r: -r.epoch):
             try:
-                meta, tensors = await self.client.call(source.peer_id, "state", {"stage": st.index}, [], self.timeout)
+                meta, tensors = await self._fetch(source.peer_id, method)
             except CallFailed as e:
                 log.warning("state download from %s failed: %s", short(source.peer_id), e)
                 continue
@@ -57,6 +67,19 @@ class StateTransfer:
                      short(source.peer_id), f" (dropped {lost} samples computed at older weights)" if lost else "")
             return True
         return False
+
+    async def _fetch(self, peer: str, method: str) -> Reply:
+        if peer == self.stage.peer_id:
+            found = self.local_copy(self.stage.index) if method == "backup" else None
+            if found is None:
+                raise CallFailed("no copy of the stage held here")
+            return found
+        return await self.client.call(peer, method, {"stage": self.stage.index}, [], self.timeout)
+
+    def note_restored(self, epoch: int) -> None:
+        """The stage lost every replica and goes on from `epoch`: the steps its replicas took beyond it
+        before now are a branch of its history that is lost (see `swarm.ops.report.read_steps`)."""
+        self.results.append(self.loads_file, {"time": time.time(), "epoch": epoch, "restored": True})
 
     async def checkpoint(self) -> None:
         st = self.stage

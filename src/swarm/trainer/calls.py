@@ -98,7 +98,7 @@ class StageCaller:
                 continue
             self.bans.forgive(peer)
             epoch = int(reply[0].get("epoch", 0))
-            self.view.saw_epoch(stage, epoch)
+            self.view.saw_epoch(stage, epoch, peer)
             held_by, held_at = tried.holder or (peer, epoch)
             return Served(peer, reply[0], reply[1], held_by, held_at)
         raise MicrobatchFailed(f"stage {stage} {method} failed on {self.tc.max_attempts} attempts")

@@ -221,5 +221,6 @@ class Trainer:
             "started": self.progress.started,
             "call_seconds": self.caller.call_seconds,
             "traffic": self.traffic.as_dict(),
+            "fresh_starts": sorted(self.view.fresh_starts.values(), key=lambda f: f["time"]),
             "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.progress.completed],
         })

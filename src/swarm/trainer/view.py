@@ -8,7 +8,7 @@ import math
 import time
 
 from swarm.config import describe_mismatch
-from swarm.net.directory import Directory, short
+from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.trainer")
@@ -21,11 +21,14 @@ class SwarmView:
         self.announce_period = announce_period
         self.servers: dict[int, list[ServerRecord]] = {k: [] for k in range(num_stages)}
         self.stage_epoch = [0] * num_stages  # the highest epoch seen of each stage (in a record or a reply)
+        self._at_top: list[set[str]] = [set() for _ in range(num_stages)]  # the servers seen at that epoch
         self.mismatched: set[str] = set()  # servers ignored for other settings (each logged once)
         self.waiting: set[int] = set()  # stages found without a server (logged once until one is back)
         # (stage, server) -> when it was last in our view of the stage (monotonic); a server that moved to
         # another stage is gone from this one
         self._last_seen: dict[tuple[int, str], float] = {}
+        # replicas whose operator started their stage afresh mid-run (its training lost): when, for the summary
+        self.fresh_starts: dict[str, dict] = {}
 
     async def refresh(self, directory: Directory) -> None:
         for stage, records in (await directory.stages(self.num_stages)).items():
@@ -38,16 +41,35 @@ class SwarmView:
                                     describe_mismatch(self.agreed, r.agreed()))
                     continue
                 usable.append(r)
-                self.saw_epoch(stage, r.epoch)
+                self.saw_epoch(stage, r.epoch, r.peer_id)
+                note_fresh_start(self.fresh_starts, r)
             if usable and stage in self.waiting:
                 self.waiting.discard(stage)
                 log.info("stage %d has %d server(s) again", stage, len(usable))
             self.servers[stage] = usable
+            self._went_back(stage, usable)
             now = time.monotonic()
             self._last_seen.update(((stage, r.peer_id), now) for r in usable)
 
-    def saw_epoch(self, stage: int, epoch: int) -> None:
-        self.stage_epoch[stage] = max(self.stage_epoch[stage], epoch)
+    def saw_epoch(self, stage: int, epoch: int, peer: str) -> None:
+        if epoch > self.stage_epoch[stage]:
+            self.stage_epoch[stage] = epoch
+            self._at_top[stage] = set()
+        if epoch == self.stage_epoch[stage]:
+            self._at_top[stage].add(peer)
+
+    def _went_back(self, stage: int, usable: list[ServerRecord]) -> None:
+        """A stage whose replicas all died and that came back from an older copy or checkpoint: every
+        server seen at its highest epoch is gone, and the live ones are behind it. The stage is where they
+        are (its lost steps are to be taken again)."""
+        if not usable or self._at_top[stage] & {r.peer_id for r in usable}:
+            return
+        now = max(r.epoch for r in usable)
+        if now < self.stage_epoch[stage]:
+            log.warning("stage %d is back at epoch %d: the replicas that were at epoch %d are gone",
+                        stage, now, self.stage_epoch[stage])
+            self.stage_epoch[stage] = now
+            self._at_top[stage] = {r.peer_id for r in usable if r.epoch == now}
 
     def live_epoch(self, stage: int) -> int:
         """The stage's epoch as its live replicas announce it: a replica behind it must not serve us.

@@ -24,6 +24,10 @@ def trainers_key(run_id: str) -> str:
     return f"{run_id}_trainers"
 
 
+def backup_key(run_id: str, stage: int) -> str:
+    return f"{run_id}_backup{stage}"
+
+
 def _fields_from(cls: type, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise RecordError(f"expected a dict, got {type(value).__name__}")
@@ -71,6 +75,8 @@ class ServerRecord(_Record):
     name: str = ""  # the operator's label for the server, if any
     optim: dict = dataclasses.field(default_factory=dict)  # the optimizer config, likewise
     protocol: int = 0  # swarm.wire.PROTOCOL_VERSION of the writer (0: one from before versions)
+    # unix time at which its operator started this replica's stage afresh mid-run, its training lost (0: never)
+    fresh: float = 0.0
 
     def agreed(self) -> dict[str, Any]:
         """What the writer hashed into `config_hash` (see swarm.config.agreed), to name what differs."""
@@ -98,3 +104,22 @@ class TrainerRecord(_Record):
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> TrainerRecord:
         return cls(peer_id=peer_id, **_fields_from(cls, value))
+
+
+@dataclass(frozen=True)
+class BackupRecord(_Record):
+    """A copy of a stage's state held outside the stage (see swarm.core.backups), announced by its holder."""
+
+    peer_id: str
+    stage: int
+    epoch: int  # the copy's epoch
+    seen: int  # the newest epoch of the stage the holder has seen (the copy is this many steps behind it)
+    config_hash: str
+    megabytes: float = 0.0
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> BackupRecord:
+        fields = _fields_from(cls, value)
+        if min(fields["stage"], fields["epoch"]) < 0 or fields["seen"] < fields["epoch"]:
+            raise RecordError("negative counter, or a copy newer than its stage")
+        return cls(peer_id=peer_id, **fields)

@@ -1,0 +1,1 @@
+"""Stage state kept outside the stage: holders of copies, and the `swarm backup` role."""
