@@ -129,23 +129,6 @@ def run_swarm(swarm: LocalSwarm, on_status=None) -> dict:
     return write_report(swarm.run_dir)
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` now (its children, theirs, ...), read from /proc."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while being read
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        below = [p for p, parent in parents.items() if parent in frontier]
-        found += below
-        frontier = below
-    return found
-
-
 def running(pids: list[int]) -> list[int]:
     """Those of `pids` that still exist and are not zombies."""
     alive = []

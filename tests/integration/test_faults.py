@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -43,30 +44,74 @@ def assert_finished(summary: dict, cfg) -> None:
     assert summary["final_loss"] < summary["first_loss"] - 0.3, summary
 
 
+def failures_on(swarm: LocalSwarm, victim: Peer) -> list[tuple[float, float]]:
+    """Each call on `victim` that trainers logged as failed: (when it failed, how long it had waited), in
+    unix seconds (logs stamp whole seconds)."""
+    clock = time.localtime()
+    midnight = time.mktime((clock.tm_year, clock.tm_mon, clock.tm_mday, 0, 0, 0, 0, 0, -1))
+    found = []
+    for line in trainer_logs(swarm).splitlines():
+        m = re.match(r"(\d\d):(\d\d):(\d\d) .* stage \d (?:forward|backward) on (\S+) failed after ([\d.]+)s", line)
+        if m and m.group(4) == short_id(victim):
+            at = midnight + 3600 * int(m.group(1)) + 60 * int(m.group(2)) + int(m.group(3))
+            found.append((at, float(m.group(5))))
+    return found
+
+
+def waiting_at(failures: list[tuple[float, float]], moment: float) -> list[float]:
+    """Of those failures, the calls that were already waiting at `moment`: how long after it each failed."""
+    return [at - moment for at, waited in failures if at - waited < moment - 1 < at]
+
+
 @pytest.mark.timeout(300)
-def test_a_server_killed_with_forwards_and_backwards_in_flight(tmp_path):
-    """A stage-0 server (it serves forwards and backwards) is slowed so calls pile up on it, then
-    killed: the calls it had fail, trainers redo them elsewhere, and the gradients it held unstepped are
-    accumulated again from what the trainers kept."""
-    cfg = small_config(tmp_path, "trainer.target_steps=10")
+def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
+    """Calls queue at a slowed stage-0 server with timeouts far longer than what follows. It is frozen
+    (a stalled machine: no connection breaks): its calls are given up once its record lapses, within
+    net.record_ttl and a view refresh or two, not at their timeouts. Thawed, it catches up; then it is
+    slowed again and its main process alone is SIGKILLed: its helpers go with it, the connections
+    break, and the calls it had are re-sent at once. Gradients it held unstepped are accumulated again
+    from what the trainers kept."""
+    cfg = small_config(tmp_path, "trainer.target_steps=1000", "trainer.min_request_timeout=40.0",
+                       "trainer.request_timeout=60.0")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     victim: list[Peer] = []
+    marks: dict[str, float] = {}
 
     def inject(status) -> None:
+        now, kinds = time.time(), [e.kind for e in faults.events]
         if not victim and status.min_epoch >= 3:
             victim.append(swarm.servers(stage=0)[0])
             faults.delay(victim[0], seconds=0.5)
-        elif len(faults.events) == 1 and time.time() - faults.events[0].time > 2.0:
-            faults.kill(victim[0])
+        elif kinds == ["delay"] and now - faults.events[-1].time > 2.0:
+            faults.freeze(victim[0])
+        elif kinds == ["delay", "freeze"] and now - faults.events[-1].time > cfg.net.record_ttl + 6:
+            faults.thaw(victim[0])
+            faults.delay(victim[0], seconds=0.0)
+        elif kinds == ["delay", "freeze", "thaw", "delay"] and "back" not in marks:
+            if victim[0].name in status.members.get(0, []) and len(set(status.epochs[0])) == 1:
+                marks["back"] = now  # caught up and announced again
+                faults.delay(victim[0], seconds=0.5)
+        elif len(kinds) == 5 and now - faults.events[-1].time > 2.0:
+            os.kill(victim[0].process.pid, signal.SIGKILL)
+            marks["killed"] = time.time()
+        elif "killed" in marks and "end" not in marks and now - marks["killed"] > 10:
+            marks["end"] = now
+            finish(swarm)
 
     summary = run_swarm(swarm, inject)
 
-    assert [e.kind for e in faults.events] == ["delay", "kill"]
-    failed_there = re.findall(rf"stage 0 (forward|backward) on {short_id(victim[0])} failed", trainer_logs(swarm))
-    assert failed_there, "no call was in flight on the victim when it died"
+    assert "end" in marks, (faults.events, marks)
+    failures = failures_on(swarm, victim[0])
+    given_up = waiting_at(failures, faults.events[1].time)
+    assert given_up, "no call was waiting on the frozen server"
+    # its record lapses record_ttl after its last announcement; two view refreshes later its calls go
+    assert max(given_up) <= cfg.net.record_ttl + 2 + 1, given_up  # (+1: logs stamp whole seconds)
+    resent = waiting_at(failures, marks["killed"])
+    assert resent, "no call was waiting on the killed server"
+    assert max(resent) <= 3, resent  # well under the calls' 40 s timeouts
     assert summary["replays"] >= 1  # its unstepped gradients were accumulated again elsewhere
-    assert_finished(summary, cfg)
+    assert summary["final_loss"] < summary["first_loss"] - 0.3, summary
     assert_exactly_once(summary)
     assert_replicas_in_step(summary, tmp_path)
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from swarm.ops.local import LocalSwarm, Peer
+from swarm.ops.procs import descendants
 
-from .helpers import command, descendants, running, small_config
+from .helpers import command, running, small_config
 
 pytestmark = pytest.mark.integration
 

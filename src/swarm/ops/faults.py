@@ -1,8 +1,8 @@
 """Faults injected into a local swarm, each one logged with its time (tests and `swarm fault` alike).
 
-A killed peer stands for a machine that vanished, so the whole process group goes (hivemind's DHT
-child and p2pd daemon outlive a SIGKILL of the main process alone and would keep answering). A frozen
-peer (SIGSTOP) stands for a machine that stalls: its connections stay open but nothing answers.
+A killed peer stands for a machine that vanished, so all its processes go at once: its own process
+group and its helpers' (hivemind's DHT process and p2pd daemon). A frozen peer (SIGSTOP to the same)
+stands for a machine that stalls: its connections stay open but nothing answers.
 Partitions and bandwidth limits act on the link of the peer's network namespace (a swarm started
 with `local.netns`, see `swarm.ops.netlab`). Delay and loss of RPC messages go through the peer's
 own fault file (see `swarm.net.faultfile`), since not every kernel has `netem`.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from swarm.ops import netlab
 from swarm.ops.local import Peer, fault_file
 from swarm.ops.netlab import Host
+from swarm.ops.procs import signal_machine
 
 log = logging.getLogger(__name__)
 ACTIONS = ("kill", "freeze", "thaw", "cut", "heal", "shape", "unshape", "delay")
@@ -62,10 +62,7 @@ class FaultInjector:
         return Host(**entry["host"])
 
     def _signal(self, peer: Peer | str, sig: int) -> None:
-        try:
-            os.killpg(self._entry(peer)["pid"], sig)
-        except ProcessLookupError:
-            pass  # already gone
+        signal_machine(self._entry(peer)["pid"], sig)
 
     def _record(self, kind: str, peer: Peer | str, detail: str = "") -> None:
         event = FaultEvent(time.time(), kind, peer if isinstance(peer, str) else peer.name, detail)

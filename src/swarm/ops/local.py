@@ -27,6 +27,7 @@ from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.ops import netlab
 from swarm.ops.netlab import Host, NetLab
+from swarm.ops.procs import signal_machine
 from swarm.ops.status import SwarmStatus, read_status
 
 log = logging.getLogger("swarm.local")
@@ -246,7 +247,7 @@ class LocalSwarm:
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGINT every peer's main process (it leaves cleanly, reaping its DHT child and p2pd), then
-        SIGKILL every group, which takes whatever lingers."""
+        SIGKILL whatever lingers."""
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not abort the cleanup
         try:
             self._stop(grace)
@@ -264,7 +265,7 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 log.warning("%s did not exit in time; killing it", p.name)
         for p in self.peers:
-            p.signal(signal.SIGKILL)  # reaps any DHT child or p2pd left behind in the group
+            signal_machine(p.process.pid, signal.SIGKILL)  # whatever lingers, helpers included
             p.process.wait()
         if self.lab is not None:
             self.lab.close()

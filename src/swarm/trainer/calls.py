@@ -68,6 +68,8 @@ class StageCaller:
         self.round_robin = [SmoothWeightedRoundRobin() for _ in range(view.num_stages)]
         self.latency = {(k, m): LatencyTracker() for k in range(view.num_stages) for m in ("forward", "backward")}
         self.inflight: dict[str, int] = {}
+        self._calls: dict[tuple[int, str], set[asyncio.Task]] = {}  # (stage, server) -> our calls waiting on it
+        self._abandoned: set[asyncio.Task] = set()
         self.retries = 0
         self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
 
@@ -91,10 +93,11 @@ class StageCaller:
         while tried.count < self.tc.max_attempts or accumulating:
             peer = await self._server_for(stage, tried)
             call = self._stage_call(stage, method, req, accumulate=accumulating and tried.holder is None)
+            started = time.monotonic()
             try:
                 reply = await self._timed(method, peer, call, tensors)
             except CallFailed as e:
-                await self._after_failure(stage, method, peer, call, e, tried)
+                await self._after_failure(stage, method, peer, call, e, tried, time.monotonic() - started)
                 continue
             self.bans.forgive(peer)
             epoch = int(reply[0].get("epoch", 0))
@@ -126,10 +129,20 @@ class StageCaller:
     async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[torch.Tensor]):
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         started = time.perf_counter()
+        waiting = asyncio.ensure_future(
+            self.client.call(peer, method, call.to_meta(), _tagged(call.stage, method, tensors), call.timeout))
+        self._calls.setdefault((call.stage, peer), set()).add(waiting)
         try:
-            reply = await self.client.call(peer, method, call.to_meta(), _tagged(call.stage, method, tensors),
-                                           call.timeout)
+            reply = await waiting
+        except asyncio.CancelledError:
+            if waiting not in self._abandoned or asyncio.current_task().cancelling():
+                raise
+            # given up as a timeout would be: it may have been applied, so an accumulating call's retry
+            # elsewhere asks for the input gradient only
+            raise CallFailed(f"{method} abandoned: the server is gone from the stage", timed_out=True) from None
         finally:
+            self._calls[call.stage, peer].discard(waiting)
+            self._abandoned.discard(waiting)
             self.inflight[peer] -= 1
             elapsed = time.perf_counter() - started
             key = f"{call.stage}/{method}"
@@ -137,8 +150,20 @@ class StageCaller:
         self.latency[call.stage, method].observe(elapsed)
         return reply
 
+    def abandon_gone(self) -> None:
+        """Give up at once the calls waiting on a server that has been out of our view of its stage for a
+        while (its record expired or was withdrawn, or it moved), instead of waiting out their timeouts:
+        a frozen or cut-off server is left within `net.record_ttl` and a refresh or two."""
+        for (stage, peer), waiting in self._calls.items():
+            if waiting and self.view.gone(stage, peer):
+                log.info("%d stage %d call(s) to %s abandoned: it is gone from the stage", len(waiting), stage,
+                         short(peer))
+                for task in waiting:
+                    self._abandoned.add(task)
+                    task.cancel()
+
     async def _after_failure(self, stage: int, method: str, peer: str, call: StageCall, error: CallFailed,
-                             tried: _Attempts) -> None:
+                             tried: _Attempts, waited: float) -> None:
         """Decide where the next attempt goes, and back off before it."""
         if error.refused:
             raise MicrobatchFailed(f"stage {stage} refused the request: {error}") from error
@@ -146,13 +171,15 @@ class StageCaller:
         tried.count += 1
         if not error.answered and not error.timed_out and tried.repeat is None:
             tried.repeat = peer
-            log.info("stage %d %s on %s failed (%s); repeating it there", stage, method, short(peer), error)
+            log.info("stage %d %s on %s failed after %.1fs (%s); repeating it there", stage, method, short(peer),
+                     waited, error)
         else:
             if call.accumulate and not error.answered:
                 tried.holder = (peer, call.epoch)
             tried.repeat, tried.prefer = None, None
             self.bans.ban(peer, time.monotonic())
-            log.info("stage %d %s on %s failed (%s); retrying elsewhere%s", stage, method, short(peer), error,
+            log.info("stage %d %s on %s failed after %.1fs (%s); retrying elsewhere%s", stage, method, short(peer),
+                     waited, error,
                      " for the input gradient only" if tried.holder else "")
         await asyncio.sleep(backoff_delay(min(tried.count, 6), 0.05, 2.0, self.rng))
 

@@ -196,6 +196,7 @@ class Trainer:
             await asyncio.sleep(self.cfg.net.announce_period / 2)
             try:
                 await self.view.refresh(self.directory)
+                self.caller.abandon_gone()
                 await self._announce()
             except Exception as e:
                 log.warning("could not refresh the swarm view: %s", e)

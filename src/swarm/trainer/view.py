@@ -27,6 +27,8 @@ class SwarmView:
         # (stage, server) -> when it was last in our view of the stage (monotonic); a server that moved to
         # another stage is gone from this one
         self._last_seen: dict[tuple[int, str], float] = {}
+        self._refreshes = 0
+        self._last_listed: dict[tuple[int, str], int] = {}  # (stage, server) -> the last refresh that listed it
         # replicas whose operator started their stage afresh mid-run (its training lost): when, for the summary
         self.fresh_starts: dict[str, dict] = {}
 
@@ -50,6 +52,8 @@ class SwarmView:
             self._went_back(stage, usable)
             now = time.monotonic()
             self._last_seen.update(((stage, r.peer_id), now) for r in usable)
+            self._last_listed.update(((stage, r.peer_id), self._refreshes) for r in usable)
+        self._refreshes += 1
 
     def saw_epoch(self, stage: int, epoch: int, peer: str) -> None:
         if epoch > self.stage_epoch[stage]:
@@ -75,6 +79,11 @@ class SwarmView:
         """The stage's epoch as its live replicas announce it: a replica behind it must not serve us.
         (Not the highest epoch ever seen: a stage whose replicas all died restarts from a checkpoint.)"""
         return max((r.epoch for r in self.servers[stage]), default=0)
+
+    def gone(self, stage: int, peer: str) -> bool:
+        """Whether a server has been missing from the last two views of its stage (its record expired or
+        was withdrawn, or it moved): two, since one DHT lookup can come back partial under load."""
+        return self._refreshes - self._last_listed.get((stage, peer), -1) > 2
 
     def seen_lately(self, stage: int, peer: str) -> bool:
         """Whether a server counts as alive: in one of the views of the last few announcement periods.

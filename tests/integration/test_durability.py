@@ -1,0 +1,121 @@
+"""A stage that loses every replica at once (machines of one provider preempted together, their disks
+gone) comes back from a copy held outside it; with no copy anywhere, a newcomer refuses to serve the
+stage's initial weights mid-run unless its operator says so, and then every peer records it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from swarm.ops.faults import FaultInjector
+from swarm.ops.local import LocalSwarm, Peer
+from swarm.ops.report import read_steps
+
+from .helpers import assert_replicas_in_step, finish, run_swarm, small_config
+
+pytestmark = pytest.mark.integration
+
+
+def summaries(run_dir: Path, prefix: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "peers").glob(f"{prefix}*.json"))]
+
+
+def in_steps(run_dir: Path) -> dict[int, Counter]:
+    """Stage -> how many of the stage's steps (the history it went on from) took in each microbatch."""
+    counts = {}
+    for stage, servers in read_steps(run_dir, superseded=False).items():
+        by_epoch = {step["epoch"]: step["ids"] for steps in servers for step in steps}
+        counts[stage] = Counter(i for ids in by_epoch.values() for i in ids)
+    return counts
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Path) -> None:
+    every = 3
+    cfg = small_config(tmp_path, "model.num_stages=3", "model.n_layers=3", "trainer.target_steps=1000",
+                       f"backup.every={every}", "backup.period=0.5")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(tmp_path)
+    newcomer: list[Peer] = []
+    marks: dict[str, int] = {}
+
+    def inject(status) -> None:
+        epochs = status.epochs.get(1) or [0]
+        if not faults.events and status.min_epoch >= 2 * every + 1:
+            for server in swarm.servers(stage=1):  # both replicas, within a moment (no disk survives them)
+                faults.kill(server)
+        elif faults.events and not newcomer and not status.epochs.get(1):
+            newcomer.append(swarm.add_server(1))
+        elif newcomer and "back" not in marks and status.epochs.get(1):
+            marks["back"] = max(epochs)
+        elif "back" in marks and min(epochs) >= marks["back"] + 4 and status.min_epoch >= marks["back"] + 4:
+            finish(swarm)  # the stage stepped on from its copy: enough shown
+            marks["end"] = status.min_epoch
+
+    summary = run_swarm(swarm, inject)
+
+    assert [e.kind for e in faults.events] == ["kill", "kill"] and "end" in marks
+    last = max(step["epoch"] for steps in read_steps(tmp_path)[1] for step in steps
+               if step["time"] < faults.events[-1].time)  # the stage's last step before it died
+    (restored,) = [s for s in summaries(tmp_path, "server-s1-") if (s.get("entry") or {}).get("action") == "restore"]
+    entry = restored["entry"]
+    # the copy is at most `every` steps behind, and one look of its holder (backup.period) late at most
+    assert last - every - 1 <= entry["epoch"] <= last, (entry, last)
+    assert 0 <= entry["steps_lost"] <= last - entry["epoch"], entry  # as far as the holders saw the stage go
+    assert summary["stages"]["1"]["restores"] == [entry]
+    holders = [s for s in summaries(tmp_path, "server-s") if s["copy_counters"].get("served")]
+    assert holders and all(s["stage"] != 1 for s in holders)
+
+    # every microbatch completed after the restore is in exactly one step of every stage
+    after = {f"{t['peer_id']}/{c[4]}" for t in summaries(tmp_path, "trainer-") for c in t["completed"]
+             if c[0] > entry["time"]}
+    assert after
+    for stage, counts in in_steps(tmp_path).items():
+        assert {counts[i] for i in after} == {1}, (stage, Counter(counts[i] for i in after))
+    assert summary["unresolved"] == 0
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_with_no_copy_a_newcomer_waits_and_starts_afresh_only_when_told(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, "local.servers_per_stage=1", "trainer.target_steps=1000", "backup.holders=0")
+    swarm = LocalSwarm(cfg)
+    faults = FaultInjector(tmp_path)
+    started: dict[str, Peer] = {}
+    marks: dict[str, float] = {}
+
+    def inject(status) -> None:
+        if not faults.events and status.min_epoch >= 3:
+            faults.kill(swarm.servers(stage=1)[0])
+        elif faults.events and "waiting" not in started and not status.epochs.get(1):
+            started["waiting"] = swarm.add_server(1)
+        elif "waiting" in started and "fresh" not in started:
+            log = started["waiting"].log_path.read_text()
+            if "is not serving" in log:
+                marks["refused"] = time.time()
+                assert not status.epochs.get(1), "a server that refused the stage must not be in the DHT"
+                started["fresh"] = swarm.add_server(1, ("server.fresh_start=true",))
+        elif "fresh" in started and "end" not in marks and min(status.epochs.get(1) or [0]) >= 2:
+            marks["end"] = time.time()
+            finish(swarm)
+
+    summary = run_swarm(swarm, inject)
+
+    assert "end" in marks, marks
+    waiting_log = started["waiting"].log_path.read_text()
+    assert "no replica, copy or checkpoint of the stage is reachable" in waiting_log
+    assert "--fresh-stage" in waiting_log
+    fresh = [s for s in summaries(tmp_path, "server-s1-") if s["fresh_start"]]
+    assert len(fresh) == 1 and fresh[0]["fresh_start"] > marks["refused"]
+    # every peer alive then records the fresh start: the trainers, stage 0's server, and the waiting
+    # server (which joined the fresh one as its second replica)
+    for peer in [*summaries(tmp_path, "trainer-"), *summaries(tmp_path, "server-s0-")]:
+        assert [f["stage"] for f in peer["fresh_starts"]] == [1], peer["peer_id"]
+    joined = [s for s in summaries(tmp_path, "server-s1-") if not s["fresh_start"] and s["peer_id"]
+              and s.get("entry") is None and s["epoch"] > 0]
+    assert joined and all([f["stage"] for f in s["fresh_starts"]] == [1] for s in joined)
+    assert [stage for stage, _ in summary["fresh_starts"]] == [1]
