@@ -26,12 +26,12 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
 from swarm.config import load_config
+from swarm.logs import logged_at
 from swarm.model import build_stage
 from swarm.ops.local import LocalSwarm, Peer, SwarmStatus
 from swarm.ops.report import read_steps
@@ -119,10 +119,8 @@ class Sampler(threading.Thread):
 
 
 def _log_times(peer: Peer, marker: str) -> list[float]:
-    """When the peer logged lines containing `marker` (logs stamp to the second, today's date)."""
-    today = datetime.now().date()
-    return [datetime.combine(today, datetime.strptime(line[:8], "%H:%M:%S").time()).timestamp()
-            for line in peer.log_path.read_text(errors="replace").splitlines() if marker in line]
+    """When the peer logged lines containing `marker` (today)."""
+    return [logged_at(line) for line in peer.log_path.read_text(errors="replace").splitlines() if marker in line]
 
 
 def _rise(timeline: list[tuple[float, int]], start: float, end: float) -> int:

@@ -48,31 +48,6 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_swarm_survives_a_server_killed_mid_run(tmp_path):
-    """(Tensors travel exact here: the uncompressed path of the wire under a fault.)"""
-    cfg = small_config(tmp_path, "trainer.target_steps=10", 'wire.activations="none"', 'wire.gradients="none"',
-                       'wire.allreduce="none"')
-    swarm = LocalSwarm(cfg)
-    killed = []
-
-    def kill_once(status) -> None:
-        if not killed and status.min_epoch >= 3:
-            victim = swarm.servers(stage=1)[0]
-            victim.signal(signal.SIGKILL)  # the whole group: main process, DHT child and p2pd
-            killed.append(victim)
-
-    summary = run_swarm(swarm, kill_once)
-
-    assert killed, "the run ended before the fault could be injected"
-    assert killed[0].process.returncode == -signal.SIGKILL
-    for stage, info in summary["stages"].items():
-        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
-    assert summary["final_loss"] < summary["first_loss"] - 0.5, summary
-    assert_exactly_once(summary)
-    assert_replicas_in_step(summary, tmp_path)
-
-
-@pytest.mark.timeout(300)
 def test_a_late_server_loads_the_stage_state_and_joins_its_steps(tmp_path):
     cfg = small_config(tmp_path, "trainer.target_steps=12")
     swarm = LocalSwarm(cfg)
@@ -129,8 +104,10 @@ def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_server_and_a_trainer_sent_sigterm_leave_cleanly_and_the_run_goes_on(tmp_path):
-    """SIGTERM as systemd, `kill -- -PGID` or a terminal send it: to the peer's whole process group."""
-    cfg = small_config(tmp_path, "trainer.target_steps=12")
+    """SIGTERM as systemd, `kill -- -PGID` or a terminal send it: to the peer's whole process group.
+    (Tensors travel exact here: the uncompressed path of the wire through a change of the swarm.)"""
+    cfg = small_config(tmp_path, "trainer.target_steps=12", 'wire.activations="none"', 'wire.gradients="none"',
+                       'wire.allreduce="none"')
     swarm = LocalSwarm(cfg)
     leaving = []
 

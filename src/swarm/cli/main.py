@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import signal
 import sys
 from pathlib import Path
 
+from swarm import logs
 from swarm.config import ConfigError, ConfigMismatch, SwarmConfig, load_config
 from swarm.config.recipes import DEMO
 from swarm.net.lifeline import CutOff, guard
@@ -190,13 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     # script starts its background jobs (`swarm server ... &`) with SIGINT ignored
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("hivemind", "asyncio"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logs.setup(args.verbose)
     try:
         if args.command == "fault":
             _inject(args)
