@@ -1,11 +1,17 @@
 """Goodput under churn: a random server is killed every `--every` seconds and a fresh one started.
 
-    .venv/bin/python benchmarks/churn.py [--minutes 10] [--every 30] [--set section.field=value ...]
+    .venv/bin/python benchmarks/churn.py [--minutes 10] [--every 30] [--correlated] [--set section.field=value ...]
 
 Two runs of the same local swarm (the demo recipe by default: 3 stages x 2 servers, 2 trainers) for
-the same time: one without faults, one where every `--every` seconds a random server's whole process
-group is SIGKILLed and a new server of the same stage is started (it downloads the stage's state from
-the survivor; a victim is always a server whose stage keeps another one serving). Reported:
+the same time: one without faults, one where every `--every` seconds a random server's processes are
+SIGKILLed and a new server of the same stage is started (it downloads the stage's state from the
+survivor; a victim is always a server whose stage keeps another one serving).
+
+With `--correlated`, every replica of a random stage is killed at once instead (one provider's
+preemption wave) and as many new servers started: they restore the stage from the copies held
+outside it (`backup`), and the steps the stage lost each time are reported. A third run then measures
+what the copies cost when nothing fails: the no-fault run again with `backup.holders=0` (no copies),
+its goodput and the megabytes the copies moved. Reported:
 
 - goodput: samples per second that reached an optimizer step of every stage. Delivery is exactly
   once (each completed microbatch enters one step of each stage; checked here from the ledgers after
@@ -35,20 +41,21 @@ from swarm.config import load_config
 from swarm.config.recipes import DEMO
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, SwarmStatus
-from swarm.ops.report import collect, plot, rate_between
+from swarm.ops.report import collect, plot, rate_between, read_steps
 
 
 def _serving(peer) -> bool:
     return peer.alive() and " up on /" in peer.log_path.read_text(errors="replace")
 
 
-def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
+def run(cfg, seconds: float, every: float | None, seed: int, correlated: bool = False) -> dict:
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(cfg.run_dir)
     rng = random.Random(seed)
     began: list[float] = []
     ended: list[float] = []
     kills: list[float] = []
+    losses: list[tuple[float, int]] = []  # (when, stage) of each kill
     down: dict[str, float] = {}  # replacement server -> when its predecessor was killed
     downtime: list[float] = []
 
@@ -67,13 +74,20 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
                     trainer.process.send_signal(signal.SIGTERM)
             return
         if every and now - (kills[-1] if kills else began[0]) >= every:
-            # a serving server whose stage keeps another serving one: the stage's state must survive
             serving = [p for p in swarm.servers() if _serving(p)]
-            victims = [p for p in serving if sum(q.stage == p.stage for q in serving) > 1]
-            victim = rng.choice(victims)
-            faults.kill(victim)
-            kills.append(now)
-            down[swarm.add_server(victim.stage).name] = now
+            if correlated:  # every replica of one stage (all of them up), together
+                full = [k for k in range(cfg.model.num_stages)
+                        if sum(p.stage == k for p in serving) == cfg.local.servers_per_stage]
+                victims = [p for p in serving if p.stage == rng.choice(full)] if full else []
+            else:  # a serving server whose stage keeps another serving one: the stage's state must survive
+                victims = [rng.choice([p for p in serving if sum(q.stage == p.stage for q in serving) > 1])]
+            for victim in victims:
+                faults.kill(victim)
+            if victims:
+                kills.append(now)
+                losses.append((now, victims[0].stage))
+            for victim in victims:
+                down[swarm.add_server(victim.stage).name] = now
 
     try:
         swarm.start()
@@ -86,8 +100,12 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
     done = [c for c in summary["_completed"] if start <= c[0] <= end]
     downtime += [end - t for t in down.values()]  # replacements not up by the end
     servers = cfg.model.num_stages * cfg.local.servers_per_stage
+    peers = [json.loads(p.read_text()) for p in Path(cfg.run_dir, "peers").glob("*.json")]
     return {
         "goodput": sum(c[1] for c in done) / seconds,
+        "steps_lost": [_steps_lost(Path(cfg.run_dir), when, stage) for when, stage in losses] if correlated else [],
+        "copy_megabytes": round(sum(p.get("copy_counters", {}).get("copy_megabytes", 0) for p in peers), 1),
+        "copies": sum(p.get("copy_counters", {}).get("copies", 0) for p in peers),
         "capacity_alive": 1 - sum(downtime) / (servers * seconds),
         "replacement_up_s": sorted(round(d, 1) for d in downtime),
         "recoveries": [_recovery(done, t, every or seconds) for t in kills],
@@ -95,6 +113,17 @@ def run(cfg, seconds: float, every: float | None, seed: int) -> dict:
         "replays": summary["replays"],
         "delivery": {k: v["delivery"] for k, v in summary["stages"].items()},
     }
+
+
+def _steps_lost(run_dir: Path, kill: float, stage: int) -> int | None:
+    """Steps of `stage` lost when all its replicas were killed at `kill`: its newest step before, less the
+    epoch the first restore after took it back to (None: not restored)."""
+    before = max((s["epoch"] for steps in read_steps(run_dir)[stage] for s in steps if s["time"] <= kill),
+                 default=0)
+    restores = sorted((load["time"], load["epoch"]) for path in run_dir.glob(f"peers/server-s{stage}-*.loads.jsonl")
+                      for load in map(json.loads, path.read_text().splitlines()) if load.get("restored")
+                      and load["time"] > kill)
+    return before - restores[0][1] if restores else None
 
 
 def _recovery(done: list, kill: float, cap: float) -> float:
@@ -114,15 +143,19 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--every", type=float, default=30.0, help="seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--correlated", action="store_true", help="kill every replica of a stage together")
     parser.add_argument("--run-dir", default="runs/churn")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     seconds = args.minutes * 60
     results = {}
-    for name, every in (("no_faults", None), ("churn", args.every)):
+    runs = [("no_faults", None, ()), ("churn", args.every, ())]
+    if args.correlated:
+        runs.append(("no_copies", None, ("backup.holders=0",)))
+    for name, every, extra in runs:
         cfg = load_config(None, [f'run_dir="{args.run_dir}/{name}"', "trainer.target_steps=1000000",
-                                 f"local.timeout={seconds + 600}", *args.overrides], base=DEMO)
-        results[name] = run(cfg, seconds, every, args.seed)
+                                 f"local.timeout={seconds + 600}", *args.overrides, *extra], base=DEMO)
+        results[name] = run(cfg, seconds, every, args.seed, args.correlated)
         print(name, json.dumps({k: v for k, v in results[name].items() if k != "recoveries"}), flush=True)
     base, churn = results["no_faults"], results["churn"]
     ratio = churn["goodput"] / base["goodput"]
@@ -138,6 +171,16 @@ def main() -> None:
         "recovery_p95_s": rec[min(len(rec) - 1, int(0.95 * len(rec)))] if rec else None,
         "replays": churn["replays"],
     }
+    if args.correlated:
+        lost = [n for n in churn["steps_lost"] if n is not None]
+        report |= {
+            "steps_lost_per_event": lost,
+            "events_not_restored": len(churn["steps_lost"]) - len(lost),
+            "goodput_without_copies": round(results["no_copies"]["goodput"], 2),
+            "copies_cost": round(1 - base["goodput"] / results["no_copies"]["goodput"], 3),
+            "copy_megabytes_no_faults": base["copy_megabytes"],
+            "copies_no_faults": base["copies"],
+        }
     print(json.dumps(report, indent=1))
     Path(args.run_dir, "churn.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
 

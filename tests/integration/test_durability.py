@@ -43,6 +43,10 @@ def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Pat
     newcomer: list[Peer] = []
     marks: dict[str, int] = {}
 
+    def start() -> None:  # the swarm, and a peer that holds a copy of every stage
+        LocalSwarm.start(swarm)
+        swarm.add_backup()
+
     def inject(status) -> None:
         epochs = status.epochs.get(1) or [0]
         if not faults.events and status.min_epoch >= 2 * every + 1:
@@ -57,6 +61,7 @@ def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Pat
             finish(swarm)  # the stage stepped on from its copy: enough shown
             marks["end"] = status.min_epoch
 
+    swarm.start = start
     summary = run_swarm(swarm, inject)
 
     assert [e.kind for e in faults.events] == ["kill", "kill"] and "end" in marks
@@ -68,8 +73,14 @@ def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Pat
     assert last - every - 1 <= entry["epoch"] <= last, (entry, last)
     assert 0 <= entry["steps_lost"] <= last - entry["epoch"], entry  # as far as the holders saw the stage go
     assert summary["stages"]["1"]["restores"] == [entry]
-    holders = [s for s in summaries(tmp_path, "server-s") if s["copy_counters"].get("served")]
-    assert holders and all(s["stage"] != 1 for s in holders)
+    # the copy came from a server of another stage or from the backup peer, which held every stage
+    holders = [s for s in summaries(tmp_path, "") if s["role"] in ("server", "backup")
+               and s["copy_counters"].get("served")]
+    assert holders and all(s.get("stage") != 1 for s in holders)
+    (backup,) = summaries(tmp_path, "backup-")
+    assert set(backup["copies_held"]) == {"0", "1", "2"}, backup
+    final = {k: v["steps"] for k, v in summary["stages"].items()}
+    assert all(final[k] - every - 2 <= c["epoch"] <= final[k] for k, c in backup["copies_held"].items()), backup
 
     # every microbatch completed after the restore is in exactly one step of every stage
     after = {f"{t['peer_id']}/{c[4]}" for t in summaries(tmp_path, "trainer-") for c in t["completed"]

@@ -170,6 +170,14 @@ class LocalSwarm:
             overrides.append(f'net.host="{host.ip}"')
         return self._spawn("trainer", name, overrides, host=host)
 
+    def add_backup(self) -> Peer:
+        """A `swarm backup` peer: it holds a copy of every stage's state (see swarm.backup)."""
+        self._counter += 1
+        name = f"backup-{self._counter}"
+        host = self._host(name) if self.cfg.local.netns else None
+        overrides = [self._peers_override(), *([f'net.host="{host.ip}"'] if host is not None else [])]
+        return self._spawn("backup", name, overrides, host=host)
+
     def _host(self, name: str) -> Host:
         """A namespace host of its own for a peer, its link shaped to `local.link_mbit` if that is set."""
         if self.lab is None:

@@ -135,8 +135,8 @@ def wire_summary(peers: list[dict[str, Any]], samples: int) -> dict[str, Any]:
     total = sum(sent.values())
     by_peer = []  # each peer's own bytes, sent plus received, per sample it handled
     for p in peers:
-        handled = p["samples"] if p["role"] == "trainer" else p["samples_served"]
-        where = f"trainer {p['index']}" if p["role"] == "trainer" else f"stage {p['stage']}"
+        handled = p.get("samples" if p["role"] == "trainer" else "samples_served", 0)  # a backup peer: none
+        where = {"trainer": f"trainer {p.get('index')}", "server": f"stage {p.get('stage')}"}.get(p["role"], p["role"])
         by_peer.append({"peer": f"{where} {short(p['peer_id'])}", "samples": handled, "bytes_per_sample": {
             role: (c["sent"] + c["received"]) / handled for role, c in p["traffic"].items()} if handled else {}})
     return {
