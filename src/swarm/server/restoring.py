@@ -17,9 +17,13 @@ from swarm.core.backups import Entry, plan_entry
 from swarm.net.directory import Directory, short
 from swarm.server.stage import ServedStage
 from swarm.server.transfer import StateTransfer
+from swarm.wire.records import BackupRecord
 
 log = logging.getLogger("swarm.server")
-RETRY_SECONDS = 5.0  # between looks for a copy while waiting
+RETRY_SECONDS = 2.0  # between looks, while the stage's dead replicas' records lapse or while waiting for a copy
+NOT_SERVING = ("stage %d server %s is not serving: %s. Serving the initial weights would restart the stage's training "
+               "from nothing while the other stages go on; waiting for a copy (start a `swarm backup` peer or a "
+               "server that holds one), or restart this server with --fresh-stage to start the stage afresh")
 
 
 async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: Directory, config_hash: str,
@@ -31,35 +35,40 @@ async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: 
         replicas = [r for r in await directory.stage(st.index) if r.peer_id != st.peer_id]
         if replicas:  # a stage with live replicas: join them, taking their state if they are further along
             ahead = [r for r in replicas if r.epoch > st.runtime.epoch]
-            if ahead:
-                await transfer.download(ahead)
-            return True
-        copies = [c for c in await directory.backups(st.index) if c.config_hash == config_hash]
-        entry = plan_entry(st.runtime.epoch, [(c.peer_id, c.epoch, c.seen) for c in copies],
-                           await run_progressed(directory, num_stages, st.index), fresh_allowed)
-        if entry.action == "restore":
-            newest_first = sorted((c for c in copies if c.epoch > st.runtime.epoch), key=lambda c: -c.epoch)
-            if await transfer.download(newest_first, method="backup"):
-                _record(st, entry, st.runtime.epoch)
-                transfer.note_restored(st.runtime.epoch)
+            if not ahead or await transfer.download(ahead):
                 return True
-        elif entry.action == "wait":
-            if not waited:
-                log.error("stage %d server %s is not serving: %s. Serving the initial weights would restart the "
-                          "stage's training from nothing while the other stages go on; waiting for a copy (start "
-                          "a `swarm backup` peer or a server that holds one), or restart this server with "
-                          "--fresh-stage to start the stage afresh", st.index, st.label, entry.reason)
-                waited = True
+            # none of those further along answered: they may have just died, their records not yet lapsed
         else:
-            _record(st, entry, entry.epoch)
-            if entry.action == "resume" or st.fresh:
-                transfer.note_restored(entry.epoch)
-            return True
+            entry, newest_first = await _entry_without_replicas(st, directory, config_hash, num_stages,
+                                                                fresh_allowed)
+            if entry.action == "restore":
+                if await transfer.download(newest_first, method="backup"):
+                    _record(st, entry, st.runtime.epoch)
+                    transfer.note_restored(st.runtime.epoch)
+                    return True
+            elif entry.action == "wait":
+                if not waited:
+                    log.error(NOT_SERVING, st.index, st.label, entry.reason)
+                    waited = True
+            else:
+                _record(st, entry, entry.epoch)
+                if entry.action == "resume" or st.fresh:
+                    transfer.note_restored(entry.epoch)
+                return True
         try:
             await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
         except TimeoutError:
             pass
     return False
+
+
+async def _entry_without_replicas(st: ServedStage, directory: Directory, config_hash: str, num_stages: int,
+                                  fresh_allowed: bool) -> tuple[Entry, list[BackupRecord]]:
+    """What to do in a stage no replica is left of, and the copies newer than what `st` holds, newest first."""
+    copies = [c for c in await directory.backups(st.index) if c.config_hash == config_hash]
+    entry = plan_entry(st.runtime.epoch, [(c.peer_id, c.epoch, c.seen) for c in copies],
+                       await run_progressed(directory, num_stages, st.index), fresh_allowed)
+    return entry, sorted((c for c in copies if c.epoch > st.runtime.epoch), key=lambda c: -c.epoch)
 
 
 def _record(st: ServedStage, entry: Entry, epoch: int) -> None:
