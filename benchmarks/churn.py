@@ -106,6 +106,7 @@ def run(cfg, seconds: float, every: float | None, seed: int, correlated: bool = 
         "steps_lost": [_steps_lost(Path(cfg.run_dir), when, stage) for when, stage in losses] if correlated else [],
         "copy_megabytes": round(sum(p.get("copy_counters", {}).get("copy_megabytes", 0) for p in peers), 1),
         "copies": sum(p.get("copy_counters", {}).get("copies", 0) for p in peers),
+        "copy_seconds": round(sum(p.get("copy_counters", {}).get("copy_seconds", 0) for p in peers), 1),
         "capacity_alive": 1 - sum(downtime) / (servers * seconds),
         "replacement_up_s": sorted(round(d, 1) for d in downtime),
         "recoveries": [_recovery(done, t, every or seconds) for t in kills],
@@ -180,6 +181,7 @@ def main() -> None:
             "copies_cost": round(1 - base["goodput"] / results["no_copies"]["goodput"], 3),
             "copy_megabytes_no_faults": base["copy_megabytes"],
             "copies_no_faults": base["copies"],
+            "copy_seconds_no_faults": base["copy_seconds"],
         }
     print(json.dumps(report, indent=1))
     Path(args.run_dir, "churn.json").write_text(json.dumps({"report": report, "runs": results}, indent=1))
