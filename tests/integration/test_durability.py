@@ -37,7 +37,7 @@ def in_steps(run_dir: Path) -> dict[int, Counter]:
 def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Path) -> None:
     every = 3
     cfg = small_config(tmp_path, "model.num_stages=3", "model.n_layers=3", "trainer.target_steps=1000",
-                       f"backup.every={every}", "backup.period=0.5")
+                       f"backup.every={every}", "backup.period=0.5", "local.trainers=1", "trainer.max_inflight=4")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     newcomer: list[Peer] = []

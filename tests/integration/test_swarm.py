@@ -10,7 +10,7 @@ import pytest
 from swarm.ops.local import LocalSwarm
 from swarm.ops.report import read_steps
 
-from .helpers import assert_exactly_once, assert_replicas_in_step, finish, run_swarm, small_config
+from .helpers import assert_exactly_once, assert_replicas_in_step, run_swarm, small_config
 
 pytestmark = pytest.mark.integration
 LEARNED_LOSS = 4.5  # nats per byte: the uniform guess over 257 ids is 5.55; 8 steps reach 3.7-4.1
@@ -45,42 +45,6 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
     assert summary["replays"] == 0
     assert_replicas_in_step(summary, tmp_path)
     assert (tmp_path / "loss.png").exists() and (tmp_path / "throughput.png").exists()
-
-
-@pytest.mark.timeout(300)
-def test_a_late_server_loads_the_stage_state_and_joins_its_steps(tmp_path):
-    cfg = small_config(tmp_path, "trainer.target_steps=1000")
-    swarm = LocalSwarm(cfg)
-    late = []
-    phases = []
-
-    def add_late_server(status) -> None:
-        # freeze the trainers while the newcomer starts, so the run cannot end before it joins
-        if not late and status.min_epoch >= 3:
-            for trainer in swarm.trainers():
-                trainer.signal(signal.SIGSTOP)
-            late.append(swarm.add_server(1))
-        elif late and not phases and len(status.epochs.get(1, [])) == 3:
-            for trainer in swarm.trainers():
-                trainer.signal(signal.SIGCONT)
-            phases.append("joined")
-        elif phases == ["joined"] and "from 3 replica(s)" in late[0].log_path.read_text():
-            phases.append("stepped")  # it took part in the stage's all-reduce: enough shown
-            finish(swarm)
-
-    summary = run_swarm(swarm, add_late_server)
-
-    assert late, "the run ended before the late server could be added"
-    stage1 = summary["stages"]["1"]
-    assert len(stage1["replicas"]) == 3
-    newcomer = max(stage1["replicas"], key=lambda r: r["catch_ups"])
-    assert newcomer["catch_ups"] >= 1  # it downloaded parameters and optimizer state before serving
-    assert len({r["digest"] for r in stage1["replicas"]}) == 1
-    late_log = late[0].log_path.read_text()
-    assert "loaded epoch" in late_log
-    assert "from 3 replica(s)" in late_log  # it took part in the stage's all-reduce afterwards
-    assert_exactly_once(summary)
-    assert_replicas_in_step(summary, tmp_path)
 
 
 @pytest.mark.timeout(300)
