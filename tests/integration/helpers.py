@@ -36,21 +36,22 @@ def small_config(run_dir: Path, *extra: str) -> SwarmConfig:
     )
 
 
-def fetch_stage_states(cfg: SwarmConfig, initial_peers: tuple[str, ...], stage: int) -> dict[str, list[torch.Tensor]]:
-    """Download every live replica's parameters of one stage, keyed by peer id."""
+def fetch_stage_states(cfg: SwarmConfig, initial_peers: tuple[str, ...]) -> dict[int, dict[str, list[torch.Tensor]]]:
+    """Download every live replica's parameters of every stage: stage -> peer id -> tensors."""
 
-    async def fetch() -> dict[str, list[torch.Tensor]]:
+    async def fetch() -> dict[int, dict[str, list[torch.Tensor]]]:
         net = load_config(overrides=[f"net.initial_peers={list(initial_peers)!r}".replace("'", '"')]).net
         dht = start_dht(net, client_mode=True)
         try:
             client = StageClient(await dht.replicate_p2p())
-            records = await Directory(dht, cfg.net.run_id, cfg.net.record_ttl).stage(stage)
-            states = {}
-            for r in records:
-                meta, tensors = await client.call(
-                    r.peer_id, "state", {"stage": stage, "config": config_hash(cfg)}, [], 30.0
-                )
-                states[r.peer_id] = tensors[: len(meta["names"])]
+            layout = await Directory(dht, cfg.net.run_id, cfg.net.record_ttl).stages(cfg.model.num_stages)
+            states: dict[int, dict[str, list[torch.Tensor]]] = {}
+            for stage, records in layout.items():
+                for r in records:
+                    meta, tensors = await client.call(
+                        r.peer_id, "state", {"stage": stage, "config": config_hash(cfg)}, [], 30.0
+                    )
+                    states.setdefault(stage, {})[r.peer_id] = tensors[: len(meta["names"])]
             return states
         finally:
             dht.shutdown()
@@ -88,8 +89,9 @@ def server_steps(run_dir, peer_id: str) -> list[dict]:
 
 
 def assert_states_equal(cfg, swarm: LocalSwarm) -> None:
+    fetched = fetch_stage_states(cfg, swarm.initial_peers)
     for stage in range(cfg.model.num_stages):
-        states = list(fetch_stage_states(cfg, swarm.initial_peers, stage).values())
+        states = list(fetched.get(stage, {}).values())
         assert len(states) >= 1
         for other in states[1:]:
             worst = max(float((a - b).abs().max()) for a, b in zip(states[0], other, strict=True))
