@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,7 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q --durations=12
+	$(BIN)/python -m pytest -q --durations=12 -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=12 -m slow
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

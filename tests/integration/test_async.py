@@ -13,11 +13,11 @@ from .helpers import assert_exactly_once, run_swarm, small_config
 from .test_swarm import LEARNED_LOSS
 
 pytestmark = pytest.mark.integration
-# Right after a round a replica's weights are the stage's average plus what it learned while the round
-# ran: at most this far from the average (L2 norm, relative to the average's). The average itself is
-# the same bits on every replica. At this config's lr (3e-3) one AdamW update moves the weights by a
-# few percent of their norm, and a round lasts a few updates; 0.02-0.07 are typical.
-DRIFT_TOLERANCE = 0.15
+# Right after a round a replica's weights are the stage's average plus the local updates it made while
+# the round ran, and nothing else: no update, no distance. Each update moves them by at most this much
+# (L2 norm, relative to the average's): at this config's lr (3e-3), 0.005-0.026 per update were
+# measured. How many updates a round spans depends on the load; the distance per update does not.
+DRIFT_PER_UPDATE = 0.05
 
 
 @pytest.mark.timeout(300)
@@ -38,7 +38,7 @@ def test_async_swarm_learns_and_its_replicas_agree_after_each_average(tmp_path):
         for steps in servers:
             for step in steps:
                 averages.setdefault(step["epoch"], set()).add(step["digest"])
-                assert step["drift"] <= DRIFT_TOLERANCE, (stage, step)
+                assert step["drift"] <= DRIFT_PER_UPDATE * step["local_updates"], (stage, step)
                 rounds += step["group"] > 1
         assert all(len(digests) == 1 for digests in averages.values()), (stage, averages)
         assert len(averages) >= cfg.trainer.target_steps

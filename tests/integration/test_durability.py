@@ -103,8 +103,7 @@ def test_with_no_copy_a_newcomer_waits_and_starts_afresh_only_when_told(tmp_path
     def inject(status) -> None:
         if not faults.events and status.min_epoch >= 3:
             faults.kill(swarm.servers(stage=1)[0])
-        elif faults.events and "waiting" not in started and not status.epochs.get(1):
-            started["waiting"] = swarm.add_server(1)
+            started["waiting"] = swarm.add_server(1)  # at once: the dead server's record is still listed
         elif "waiting" in started and "fresh" not in started:
             log = started["waiting"].log_path.read_text()
             if "is not serving" in log:

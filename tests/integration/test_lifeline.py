@@ -36,7 +36,7 @@ def helpers_of(peer: Peer, timeout: float = 60.0) -> dict[str, int]:
 
 @pytest.mark.timeout(180)
 def test_helpers_die_with_their_peer_and_a_cut_off_peer_exits(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, "trainer.no_server_timeout=30.0")
+    cfg = small_config(tmp_path, "trainer.no_server_timeout=15.0")
     swarm = LocalSwarm(cfg)
     try:
         swarm.start_bootstrap()

@@ -62,6 +62,7 @@ def final_members(watch: LayoutWatch) -> dict[int, list[str]]:
     return watch.history[-1][1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path):
     """Six equal servers started 4/1/1 over three stages: two of the crowded stage's servers move, one
@@ -91,6 +92,7 @@ def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path
     assert_replicas_in_step(summary, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_servers_come_to_a_stage_that_lost_all_but_one(tmp_path):
     """Once the layout has settled, every server of stage 1 but one is killed: a server of stage 0

@@ -50,13 +50,14 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
     checkpoints = tmp_path / "checkpoints"
-    first = run_swarm(LocalSwarm(small_config(tmp_path / "run1", "trainer.target_steps=6",
+    lone = ("local.servers_per_stage=1", "local.trainers=1", "trainer.max_inflight=4")  # one replica is enough
+    first = run_swarm(LocalSwarm(small_config(tmp_path / "run1", "trainer.target_steps=6", *lone,
                                          f'server.checkpoint_dir="{checkpoints}"', "server.checkpoint_every=2")))
     stopped_at = {stage: info["steps"] for stage, info in first["stages"].items()}
     assert sorted(p.name for p in checkpoints.glob("stage0-*.pt"))  # at most keep_checkpoints remain
     assert len(list(checkpoints.glob("stage0-*.pt"))) <= 2
 
-    second_cfg = small_config(tmp_path / "run2", f"trainer.target_steps={max(stopped_at.values()) + 4}",
+    second_cfg = small_config(tmp_path / "run2", f"trainer.target_steps={max(stopped_at.values()) + 4}", *lone,
                               f'server.checkpoint_dir="{checkpoints}"')
     second = run_swarm(LocalSwarm(second_cfg))
 

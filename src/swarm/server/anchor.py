@@ -27,6 +27,7 @@ class AverageRound:
     samples: int
     ids: list[str]  # the microbatches whose gradients that progress holds
     generation: int  # of the anchor it started from (see Anchor.return_to)
+    version: int = 0  # the replica's count of weight changes then (local updates since are its drift)
 
 
 class Anchor:
@@ -59,10 +60,10 @@ class Anchor:
             t.copy_(flat[offset : offset + n].view_as(t).to(device=t.device, dtype=t.dtype))
             offset += n
 
-    def begin(self, samples: int, ids: list[str]) -> AverageRound:
+    def begin(self, samples: int, ids: list[str], version: int = 0) -> AverageRound:
         """This replica's part of a round, as its weights stand now (it goes on updating)."""
         snapshot = self.current()
-        return AverageRound(snapshot, (snapshot - self.flat) * samples, samples, ids, self.generation)
+        return AverageRound(snapshot, (snapshot - self.flat) * samples, samples, ids, self.generation, version)
 
     def finish(self, own: AverageRound, mean_delta: torch.Tensor) -> float:
         """Move the anchor by the stage's mean delta and keep the local progress made since `own` was

@@ -42,3 +42,4 @@ class StepRecord:
     # async: how far this replica's weights are from the average right after the round (relative L2
     # norm): the local progress it made while the round ran, which it keeps
     drift: float = 0.0
+    local_updates: int = 0  # async: the local updates it made while the round ran (what the drift is made of)

@@ -337,20 +337,21 @@ class StageRuntime:
 
     def begin_average(self) -> AverageRound:
         """This replica's part of an averaging round, as its weights stand now (it goes on updating)."""
-        return self.averaging.begin(self.pending_samples, sorted(self.pending))
+        return self.averaging.begin(self.pending_samples, sorted(self.pending), self.version)
 
     def finish_average(
         self, own: AverageRound, mean_delta: torch.Tensor, samples: int, group: int, ids: list[str]
     ) -> StepRecord:
         """Take the stage's average, keep the local progress made since `own` was taken (`drift`)."""
         drift = self.averaging.finish(own, mean_delta)
+        updates = self.version - own.version
         self.book.commit(ids, self.epoch + 1)
         self.book.unpend(own.ids)
         self.epoch += 1
         self.version += 1
         self.last_digest = self.digest()
         return StepRecord(self.epoch, samples, group, self.lr(), float(mean_delta.norm()), self.last_digest, ids,
-                          drift=drift)
+                          drift=drift, local_updates=updates)
 
     def discard_gradients(self) -> int:
         """Forget accumulated gradients (they belong to weights this replica no longer holds); async,

@@ -138,8 +138,8 @@ class Stepper:
             st.durable_epoch = record.epoch
         if st.runtime.asynchronous:
             log.info("stage %d average %d: %d samples from %d replica(s), lr %.2e, mean delta norm %.3f, "
-                     "drift %.4f", st.index, record.epoch, record.samples, record.group, record.lr,
-                     record.grad_norm, record.drift)
+                     "drift %.4f after %d local update(s)", st.index, record.epoch, record.samples, record.group,
+                     record.lr, record.grad_norm, record.drift, record.local_updates)
         else:
             log.info("stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
                      st.index, record.epoch, record.samples, record.group, record.lr, record.grad_norm)
