@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from swarm.backup.keeper import BackupKeeper
 from swarm.config import SwarmConfig, config_hash
+from swarm.exiting import STOP_MARGIN, on_stop_signals
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
 from swarm.net.node import visible_addresses
@@ -53,8 +53,7 @@ def run_backup_peer(cfg: SwarmConfig) -> None:
 async def _serve(cfg: SwarmConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_stop_signals(loop, stop.set, STOP_MARGIN, "backup peer")
     traffic = Traffic()
     peer = await join(cfg.net, cfg.wire, traffic, serving=True)
     keeper = BackupKeeper(peer.peer_id, config_hash(cfg), cfg.model.num_stages, cfg.backup, cfg.net.record_ttl,

@@ -12,6 +12,7 @@ from pathlib import Path
 from swarm import logs
 from swarm.config import ConfigError, ConfigMismatch, SwarmConfig, load_config
 from swarm.config.recipes import DEMO
+from swarm.exiting import STOP_MARGIN, exit_now, on_stop_signals
 from swarm.net.lifeline import CutOff, guard
 from swarm.ops.faults import ACTIONS, FaultInjector
 
@@ -167,8 +168,7 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
 
     async def wait() -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(loop, stop.set, STOP_MARGIN, "bootstrap peer")
         p2p = await dht.replicate_p2p()
         await check_join(dht, p2p, cfg.net, serving=False)
         await JoinServicer(p2p).add_p2p_handlers(p2p)  # newcomers greet it: clock and dial-back checks
@@ -241,5 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The `swarm` command: `main`, then a quick exit (see `swarm.exiting.exit_now`)."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 from swarm.averaging.allreduce import StageAllReduce
 from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
+from swarm.exiting import STOP_MARGIN, on_stop_signals
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
 from swarm.net.node import visible_addresses
@@ -92,8 +92,8 @@ class StageServer:
             torch.set_num_threads(cfg.server.threads)
         self.stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self.stop.set)
+        # leaving takes up to leave_timeout to finish accepted work, then a checkpoint and the DHT's goodbye
+        on_stop_signals(loop, self.stop.set, cfg.server.leave_timeout + STOP_MARGIN, f"server {self.label}")
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self.gate = ComputeGate(cfg.server.slowdown, cfg.server.device == "cpu" and torch.get_num_threads() == 1)
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
