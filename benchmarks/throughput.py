@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from swarm.config import load_config
-from swarm.data import SampleShard, load_documents, split_inputs_targets
+from swarm.data import SampleTable, load_documents, split_inputs_targets
 from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import encode
 from swarm.ops.run import run_local
@@ -40,8 +40,8 @@ def baseline(cfg, steps: int) -> float:
     torch.set_num_threads(torch.get_num_threads())
     model = ComposedModel(load_stages(cfg.model))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
-    shard = SampleShard(load_documents(cfg.data), cfg.model.seq_len, 0, 1, cfg.data.seed)
-    batches = shard.batches(cfg.trainer.microbatch_size)
+    table = SampleTable(load_documents(cfg.data), cfg.model.seq_len, cfg.data.seed)
+    batches = table.stream(cfg.trainer.microbatch_size)
     per_step = cfg.optim.target_batch_size // cfg.trainer.microbatch_size
 
     def step() -> None:

@@ -139,7 +139,7 @@ def test_separate_hosts_train_by_the_readme_and_outlive_the_bootstrap(machines, 
     for name, stage in servers.items():
         m.start(name, "server", "--stage", str(stage), "--initial-peers", *peers)
     for index in (0, 1):
-        m.start(f"t{index}", "trainer", "--index", str(index), "--num-trainers", "2", "--initial-peers", *peers,
+        m.start(f"t{index}", "trainer", "--index", str(index), "--initial-peers", *peers,
                 behind_nat=BEHIND_NAT and index == 1)
     if BEHIND_NAT:
         refused = m.start("natserver", "server", "--stage", "0", "--initial-peers", *peers, behind_nat=True)

@@ -18,7 +18,7 @@ from swarm.net.transport import CallFailed
 from swarm.wire.codecs import EXACT, Policy, error_bound
 from swarm.wire.validate import BadRequest
 
-SHORT = 0.3  # seconds a round may take in tests that expect it to fail
+SHORT = 1.0  # seconds a round may take in tests that expect it to fail
 MARGIN = 5.0  # outer deadline: a hang fails the test instead of stalling the suite
 
 

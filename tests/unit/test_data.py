@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from swarm.config import ConfigError, DataConfig, ModelConfig
-from swarm.data import SampleShard, chunk_documents, load_documents, split_inputs_targets
+from swarm.data import SampleTable, chunk_documents, load_documents, split_inputs_targets
 from swarm.model import PAD_ID, build_stages
 
 SEQ = 16
@@ -100,38 +100,32 @@ def test_padding_only_at_document_ends() -> None:
     assert 0 < padded_rows <= len(documents)
 
 
-def test_shards_are_disjoint_and_cover_every_chunk() -> None:
+def test_each_pass_orders_every_sample_once_the_same_way_for_everyone() -> None:
     documents = random_documents()
-    total = len(chunk_documents(documents, SEQ))
-    shards = [SampleShard(documents, SEQ, i, 3, seed=7) for i in range(3)]
-    ids = [set(shard.chunk_ids()) for shard in shards]
-    assert sum(len(s) for s in ids) == total == sum(len(shard) for shard in shards)
-    assert set().union(*ids) == set(range(total))
-    assert max(map(len, ids)) - min(map(len, ids)) <= 1
-
-
-def test_batches_are_seeded_endless_and_well_formed() -> None:
-    documents = random_documents()
-
-    def first_batches(seed: int, count: int = 6) -> list[torch.Tensor]:
-        return list(itertools.islice(SampleShard(documents, SEQ, 1, 2, seed=seed).batches(5), count))
-
-    batches = first_batches(3)
-    assert all(torch.equal(a, b) for a, b in zip(batches, first_batches(3), strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(batches, first_batches(4), strict=True))
-    for batch in batches:
-        assert batch.shape == (5, SEQ + 1) and batch.dtype == torch.long
-        assert 0 <= batch.min() and batch.max() <= PAD_ID
-
-    shard = SampleShard(documents, SEQ, 0, 2, seed=3)
-    one_pass = torch.cat(list(itertools.islice(shard.batches(1), len(shard))))
     table = torch.from_numpy(chunk_documents(documents, SEQ)).long()
-    assert sorted(map(tuple, one_pass.tolist())) == sorted(map(tuple, table[shard.chunk_ids()].tolist()))
+    samples = SampleTable(documents, SEQ, seed=7)
+    assert len(samples) == len(table) and samples.name == f"n{len(table)}s7"
+    one_pass = samples.samples(0, 0, len(samples))
+    assert sorted(map(tuple, one_pass.tolist())) == sorted(map(tuple, table.tolist()))
+    assert torch.equal(SampleTable(documents, SEQ, seed=7).samples(0, 5, 9), one_pass[5:9])  # another trainer
+    assert not torch.equal(samples.samples(1, 0, len(samples)), one_pass)  # each pass is reshuffled
+    assert not torch.equal(SampleTable(documents, SEQ, seed=8).samples(0, 0, len(samples)), one_pass)
+    assert one_pass.dtype == torch.long and 0 <= one_pass.min() and one_pass.max() <= PAD_ID
 
 
-def test_too_small_corpus_for_shards_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="too few"):
-        SampleShard([b"just twenty bytes..."], SEQ, 3, 4, seed=0)
+def test_a_stream_goes_pass_after_pass() -> None:
+    documents = random_documents()
+    samples = SampleTable(documents, SEQ, seed=3)
+    per_pass = len(samples) // 5
+    batches = list(itertools.islice(samples.stream(5), per_pass + 1))
+    assert all(b.shape == (5, SEQ + 1) for b in batches)
+    assert torch.equal(torch.cat(batches[:per_pass]), samples.samples(0, 0, per_pass * 5))
+    assert torch.equal(batches[per_pass], samples.samples(1, 0, 5))
+
+
+def test_a_corpus_without_a_sample_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="no sample"):
+        SampleTable([b"tiny"], SEQ, seed=0)
 
 
 def test_split_inputs_targets_shifts_by_one() -> None:

@@ -58,8 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     _common(p)
     p = sub.add_parser("trainer", help="feed microbatches through the swarm")
     _common(p)
-    p.add_argument("--index", type=int, help="this trainer's data shard")
-    p.add_argument("--num-trainers", type=int)
+    p.add_argument("--index", type=int, help="a number naming this trainer's summary")
     for name, text in (("demo", "train the default model on a local swarm (the README's first command)"),
                        ("local", "run a local swarm from a config")):
         p = sub.add_parser(name, help=text)
@@ -127,7 +126,6 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
         "device": ("server.device", lambda v: f'"{v}"'),
         "resume": ("server.checkpoint_dir", lambda v: f'"{v}"'),
         "index": ("trainer.index", str),
-        "num_trainers": ("trainer.num_trainers", str),
     }
     for attr, (key, render) in flags.items():
         value = getattr(args, attr, None)

@@ -132,8 +132,7 @@ class TrainerConfig:
     keep_epochs: int = 4
     ban_seconds: float = 15.0  # a server that failed is not picked again for this long
     max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
-    index: int = 0  # this trainer's data shard
-    num_trainers: int = 1
+    index: int = 0  # tells trainers apart in summaries and logs (the data is shared out through the DHT)
     # seconds between progress lines in the log (a progress bar instead where stderr is a terminal); also
     # the window of the samples/s a trainer announces
     progress_every: float = 5.0
@@ -141,18 +140,14 @@ class TrainerConfig:
     no_server_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "num_trainers", "keep_epochs"):
+        for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "keep_epochs"):
             require(getattr(self, name) > 0, f"trainer.{name}", f"must be positive, got {getattr(self, name)}")
         for name in ("request_timeout", "min_request_timeout", "settle_timeout", "progress_every"):
             require(getattr(self, name) > 0, f"trainer.{name}", "must be positive")
         require(self.routing in ("random", "wrr"), "trainer.routing", f"must be random or wrr, got {self.routing!r}")
         require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")
         require(self.no_server_timeout >= 0, "trainer.no_server_timeout", "must be >= 0")
-        require(
-            0 <= self.index < self.num_trainers,
-            "trainer.index",
-            f"must be in [0, trainer.num_trainers), got {self.index} of {self.num_trainers}",
-        )
+        require(self.index >= 0, "trainer.index", f"must be >= 0, got {self.index}")
 
 
 @dataclass(frozen=True)

@@ -73,9 +73,16 @@ class DataConfig:
     path: str | None = None  # a text file, a .jsonl file (field `text`), or a directory of them
     seed: int = 0
     max_bytes: int = 32_000_000  # cap on the corpus read into memory
+    # trainers lease blocks of this many consecutive samples of a pass's order (see swarm.core.dataplan)
+    block_samples: int = 1024
+    # seconds a trainer's hold on its block lasts unless renewed: a trainer that died leaves its block to
+    # the next one this long after its last renewal
+    lease_seconds: float = 20.0
 
     def __post_init__(self) -> None:
-        require(self.max_bytes > 0, "data.max_bytes", f"must be positive, got {self.max_bytes}")
+        for name in ("max_bytes", "block_samples"):
+            require(getattr(self, name) > 0, f"data.{name}", f"must be positive, got {getattr(self, name)}")
+        require(self.lease_seconds >= 1.0, "data.lease_seconds", f"must be >= 1, got {self.lease_seconds}")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,9 @@
-"""Fixed-length samples, split into disjoint shards, one per trainer.
-
-Every trainer computes the same chunk table and the same seeded permutation from the same corpus, so
-shards are disjoint without any coordination between trainers.
-"""
+"""Fixed-length samples of the corpus, and the order in which each pass over them goes (trainers share
+a pass's blocks through the DHT: swarm.core.dataplan)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -43,46 +41,46 @@ def chunk_documents(documents: Sequence[bytes], seq_len: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty((0, seq_len + 1), dtype=np.int16)
 
 
-class SampleShard:
-    """One trainer's share of the samples, served as an endless stream of shuffled batches."""
+class SampleTable:
+    """Every sample of the corpus, and the seeded order each pass over it follows: every trainer computes
+    the same table and the same orders, so a position in a pass names one sample everywhere."""
 
-    def __init__(
-        self, documents: Sequence[bytes], seq_len: int, shard_index: int, num_shards: int, seed: int
-    ) -> None:
-        if not 0 <= shard_index < num_shards:
-            raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    def __init__(self, documents: Sequence[bytes], seq_len: int, seed: int) -> None:
         table = chunk_documents(documents, seq_len)
-        order = np.random.default_rng([seed, 0]).permutation(len(table))
-        self._ids = np.sort(order[shard_index::num_shards])
-        if len(self._ids) == 0:
-            raise ConfigError(
-                f"data.path: the corpus gives {len(table)} samples of {seq_len + 1} bytes, "
-                f"too few for shard {shard_index} of {num_shards}"
-            )
-        self._chunks = torch.from_numpy(table[self._ids])
+        if len(table) == 0:
+            raise ConfigError(f"data.path: the corpus gives no sample of {seq_len + 1} bytes")
+        self._chunks = torch.from_numpy(table)
         self._seed = seed
+        self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._chunks)
 
-    def chunk_ids(self) -> list[int]:
-        return self._ids.tolist()
+    @property
+    def name(self) -> str:
+        """What identifies the orders: trainers that agree on it agree on every position's sample."""
+        return f"n{len(self)}s{self._seed}"
 
-    def batches(self, batch_size: int) -> Iterator[torch.Tensor]:
-        """Endless LongTensor[batch_size, seq_len+1] batches. Each pass over the shard is reshuffled
-        from (seed, pass) so a restarted trainer replays the same stream, and a batch may span two
-        passes so no sample is ever dropped."""
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        pending = torch.empty(0, dtype=torch.long)
-        epoch = 0
-        while True:
-            while len(pending) < batch_size:
-                order = np.random.default_rng([self._seed, 1, epoch]).permutation(len(self))
-                pending = torch.cat([pending, torch.from_numpy(order)])
-                epoch += 1
-            yield self._chunks[pending[:batch_size]].long()
-            pending = pending[batch_size:]
+    def order(self, pass_: int) -> np.ndarray:
+        """Chunk ids in the order of pass `pass_` (the two latest passes are kept)."""
+        if pass_ not in self._orders:
+            self._orders[pass_] = np.random.default_rng([self._seed, 1, pass_]).permutation(len(self))
+            for old in sorted(self._orders)[:-2]:
+                del self._orders[old]
+        return self._orders[pass_]
+
+    def samples(self, pass_: int, start: int, end: int) -> torch.Tensor:
+        """LongTensor[end - start, seq_len + 1]: positions [start, end) of pass `pass_`."""
+        return self._chunks[torch.from_numpy(self.order(pass_)[start:end])].long()
+
+    def stream(self, batch_size: int) -> Iterator[torch.Tensor]:
+        """Endless batches of `batch_size`, pass after pass, for a lone process (a benchmark); a pass's
+        last samples that do not fill a batch are skipped."""
+        if not 0 < batch_size <= len(self):
+            raise ValueError(f"batch_size must be in (0, {len(self)}], got {batch_size}")
+        for pass_ in itertools.count():
+            for start in range(0, len(self) - batch_size + 1, batch_size):
+                yield self.samples(pass_, start, start + batch_size)
 
 
 def split_inputs_targets(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,12 +12,15 @@ import logging
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from swarm.core.dataplan import Claim
 from swarm.wire.records import (
     BackupRecord,
     RecordError,
     ServerRecord,
     TrainerRecord,
     backup_key,
+    block_from_value,
+    block_value,
     stage_key,
     trainers_key,
 )
@@ -77,6 +80,21 @@ class Directory:
         """The copies of a stage held outside it (see swarm.core.backups)."""
         found = await self.dht.get(backup_key(self.run_id, stage), latest=True, return_future=True)
         return [r for r in _parse(found, BackupRecord.from_value) if r.stage == stage]
+
+    async def blocks(self, key: str) -> dict[int, Claim]:
+        """The block records under one data key (see swarm.core.dataplan): block -> claim."""
+        found = await self.dht.get(key, latest=True, return_future=True)
+        return dict(_parse(found, block_from_value))
+
+    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> None:
+        """Publish a block's claim. The newest write wins (hivemind keeps the value that expires last), so
+        a claim is read back before it is relied on."""
+        await self.dht.store(key, block_value(claim), expiration_time=get_dht_time() + lifetime,
+                             subkey=str(block), return_future=True)
+
+    def now(self) -> float:
+        """DHT time, which leases are measured in."""
+        return get_dht_time()
 
 
 def _parse(found, parse):

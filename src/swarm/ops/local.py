@@ -162,9 +162,7 @@ class LocalSwarm:
 
     def add_trainer(self, index: int) -> Peer:
         name = f"trainer-{index}"
-        overrides = [
-            self._peers_override(), f"trainer.index={index}", f"trainer.num_trainers={self.cfg.local.trainers}"
-        ]
+        overrides = [self._peers_override(), f"trainer.index={index}"]
         host = self._host(name) if self.cfg.local.netns else None
         if host is not None:
             overrides.append(f'net.host="{host.ip}"')

@@ -25,7 +25,7 @@ import time
 import torch
 
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash
-from swarm.data import SampleShard, load_documents, split_inputs_targets
+from swarm.data import SampleTable, load_documents, split_inputs_targets
 from swarm.net.directory import short
 from swarm.net.lifeline import CutOff
 from swarm.net.peer import join
@@ -33,11 +33,13 @@ from swarm.net.protocol import Traffic
 from swarm.results import PeerResults
 from swarm.trainer.calls import MicrobatchFailed, StageCaller
 from swarm.trainer.delivery import GradientKeeper
+from swarm.trainer.feed import BlockLost, DataFeed, Piece
 from swarm.trainer.progress import Completed, Progress
 from swarm.trainer.view import SwarmView
 from swarm.wire.records import TrainerRecord
 
 log = logging.getLogger("swarm.trainer")
+RELEASE_TIMEOUT = 5.0  # seconds a stopping trainer spends giving its data blocks back
 
 
 class StageUnreachable(CutOff):
@@ -58,7 +60,7 @@ class Trainer:
         self.unresolved = 0
         self.done = False
         self._ids = itertools.count()
-        self._requeued: list[torch.Tensor] = []  # batches whose forward failed: they are retried whole
+        self._requeued: list[tuple[torch.Tensor, Piece]] = []  # batches whose forward failed: retried whole
 
     def run(self) -> None:
         asyncio.run(self.train())
@@ -71,13 +73,10 @@ class Trainer:
         self.stop = stop or asyncio.Event()
         self.draining = False
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
-        shard = SampleShard(
-            load_documents(self.cfg.data), self.cfg.model.seq_len, self.tc.index, self.tc.num_trainers,
-            self.cfg.data.seed,
-        )
-        batches = shard.batches(self.tc.microbatch_size)
+        table = SampleTable(load_documents(self.cfg.data), self.cfg.model.seq_len, self.cfg.data.seed)
         peer = await join(self.cfg.net, self.cfg.wire, self.traffic, serving=False)
         self.peer_id, self.directory = peer.peer_id, peer.directory
+        self.feed = DataFeed(table, peer.directory, peer.peer_id, self.cfg.data, self.tc.microbatch_size, self.rng)
         period = self.cfg.net.announce_period
         self.caller = StageCaller(self.tc, peer.client, peer.directory, self.view, self.hash, period, self.rng,
                                   self.stop)
@@ -85,23 +84,33 @@ class Trainer:
                                      self.stop)
         try:
             self.progress.started = time.time()
-            log.info("trainer %s started: shard %d/%d with %d samples, target %d steps",
-                     short(self.peer_id), self.tc.index, self.tc.num_trainers, len(shard), self.tc.target_steps)
-            await peer.guard(self._train(batches), self._watch_stages())
+            log.info("trainer %s started: a corpus of %d samples, taken in blocks of %d shared through the DHT, "
+                     "target %d steps", short(self.peer_id), len(table), self.cfg.data.block_samples,
+                     self.tc.target_steps)
+            await peer.guard(self._train(), self._watch_stages())
             log.info("trainer %s done: %d samples, %d microbatches failed, %d retries, %d gradients replayed",
                      short(self.peer_id), self.progress.samples(), self.failed, self.caller.retries,
                      self.keeper.replays)
         finally:
+            await self._release_blocks()
             self._write_summary()
             peer.leave()
 
-    async def _train(self, batches) -> None:
+    async def _release_blocks(self) -> None:
+        """What is left of its data blocks goes to the next trainer at once, not when its lease lapses."""
+        try:
+            await asyncio.wait_for(self.feed.release(), RELEASE_TIMEOUT)
+        except Exception as e:  # a trainer cut off from the swarm: its leases lapse instead
+            log.warning("could not give its data blocks back (%s: %s); they pass on when its leases lapse",
+                        type(e).__name__, e)
+
+    async def _train(self) -> None:
         await self.view.refresh(self.directory)
         self._check_config()
         background = [asyncio.create_task(t) for t in (
-            self._refresh_loop(), self.keeper.loop(), self.progress.loop(short(self.peer_id)))]
+            self._refresh_loop(), self.keeper.loop(), self.progress.loop(short(self.peer_id)), self.feed.loop())]
         try:
-            await self._feed(batches)
+            await self._feed()
             self.done = True
             await self._announce()
             self.unresolved = await self.keeper.settle()
@@ -126,7 +135,7 @@ class Trainer:
                     raise StageUnreachable(f"stage {stage} has had no server for {now - since:.0f}s "
                                            f"(trainer.no_server_timeout={limit:g})")
 
-    async def _feed(self, batches) -> None:
+    async def _feed(self) -> None:
         """Keep `trainer.max_inflight` microbatches in the pipeline until the run is over."""
         slots = asyncio.Semaphore(self.tc.max_inflight)
         running: set[asyncio.Task] = set()
@@ -135,8 +144,8 @@ class Trainer:
             if self._finished():
                 slots.release()
                 break
-            batch = self._requeued.pop(0) if self._requeued else next(batches)
-            task = asyncio.create_task(self._microbatch(batch))
+            batch, piece = self._requeued.pop(0) if self._requeued else await self.feed.next()
+            task = asyncio.create_task(self._microbatch(batch, piece))
             running.add(task)
             task.add_done_callback(lambda t: (running.discard(t), slots.release()))
         if running:
@@ -150,9 +159,9 @@ class Trainer:
             log.info("trainer stopping: finishing the microbatches in flight")
         self.draining = True
 
-    async def _microbatch(self, batch: torch.Tensor) -> None:
+    async def _microbatch(self, batch: torch.Tensor, piece: Piece) -> None:
         inputs, targets = split_inputs_targets(batch)
-        req = f"{next(self._ids)}"
+        req = f"{next(self._ids)}@{piece.label}"  # unique per trainer, and says which samples it carries
         last = self.num_stages - 1
         call, keep = self.caller.call, self.keeper.keep
         try:
@@ -163,8 +172,13 @@ class Trainer:
                 x = served.tensors[0]
         except MicrobatchFailed as e:  # nothing was accumulated yet: the batch is retried whole
             self.failed += 1
-            self._requeued.append(batch)
+            self._requeued.append((batch, piece))
             log.warning("microbatch %s forward failed (%s); its batch will be sent again", req, e)
+            return
+        try:
+            await self.feed.consume(piece)  # from here on, sending it again could count it twice
+        except BlockLost as e:
+            log.warning("microbatch %s not sent: %s", req, e)
             return
         try:
             served = await call(last, "forward", req, [x, targets], accumulating=True)
@@ -224,4 +238,5 @@ class Trainer:
             "traffic": self.traffic.as_dict(),
             "fresh_starts": sorted(self.view.fresh_starts.values(), key=lambda f: f["time"]),
             "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.progress.completed],
+            "data": {"blocks_taken": self.feed.taken, "low_pass": self.feed.low_pass, "dropped": self.feed.dropped},
         })

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.core.dataplan import Claim, merged
+
 
 class RecordError(ValueError):
     """A DHT value does not have the shape of a record."""
@@ -123,3 +125,39 @@ class BackupRecord(_Record):
         if min(fields["stage"], fields["epoch"]) < 0 or fields["seen"] < fields["epoch"]:
             raise RecordError("negative counter, or a copy newer than its stage")
         return cls(peer_id=peer_id, **fields)
+
+
+def data_key(run_id: str, corpus: str, pass_: int, group: int) -> str:
+    """The DHT key listing one group of a pass's blocks (see swarm.core.dataplan). `corpus` names the
+    sample order (corpus size, seed, block size): trainers that cut the data differently never share keys."""
+    return f"{run_id}_data_{corpus}_p{pass_}_g{group}"
+
+
+MAX_RANGES = 256  # consumed ranges one block record may list (they merge as microbatches complete in order)
+
+
+def block_value(claim: Claim) -> dict[str, Any]:
+    return {"owner": claim.owner, "lease_until": claim.lease_until, "size": claim.size,
+            "done": [list(r) for r in claim.done]}
+
+
+def block_from_value(subkey: str, value: Any) -> tuple[int, Claim]:
+    """A block's number (the subkey) and its claim, as published by some trainer."""
+    if not subkey.isdigit():
+        raise RecordError(f"block subkey {subkey!r} is not a block number")
+    if not isinstance(value, dict):
+        raise RecordError(f"expected a dict, got {type(value).__name__}")
+    owner, lease, size, done = (value.get(k) for k in ("owner", "lease_until", "size", "done"))
+    if not isinstance(owner, str) or not isinstance(lease, (int, float)) or isinstance(lease, bool):
+        raise RecordError("owner or lease_until malformed")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise RecordError("size malformed")
+    if not isinstance(done, list) or len(done) > MAX_RANGES:
+        raise RecordError("done malformed")
+    ranges: tuple[tuple[int, int], ...] = ()
+    for r in done:
+        if (not isinstance(r, list) or len(r) != 2 or any(not isinstance(x, int) or isinstance(x, bool) for x in r)
+                or not 0 <= r[0] < r[1] <= size):
+            raise RecordError(f"range {r!r} malformed")
+        ranges = merged(ranges, (r[0], r[1]))
+    return int(subkey), Claim(owner, float(lease), ranges, size)
