@@ -47,7 +47,7 @@ def test_helpers_die_with_their_peer_and_a_cut_off_peer_exits(tmp_path: Path) ->
         for pids in helpers.values():
             assert {os.getpgid(pid) for pid in pids.values()} == {pids["dht"]}
         for trainer in trainers:
-            swarm._wait(lambda t=trainer: " started: shard" in t.log_path.read_text(), 60, trainer.name, trainer)
+            swarm._wait(lambda t=trainer: " started: a corpus" in t.log_path.read_text(), 60, trainer.name, trainer)
 
         # the daemon of trainer 1 dies: it notices within its health bound and exits with its results
         killed = time.monotonic()

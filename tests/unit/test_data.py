@@ -1,4 +1,4 @@
-"""Corpus loading, disjoint shards, and that padding never reaches the loss."""
+"""Corpus loading, samples and the order of each pass, and that padding never reaches the loss."""
 
 from __future__ import annotations
 

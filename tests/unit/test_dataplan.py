@@ -9,7 +9,7 @@ import random
 import pytest
 
 from swarm.config import DataConfig
-from swarm.core.dataplan import Claim, cut, merged, missing, pick_block
+from swarm.core.dataplan import LEASE_MARGIN, Claim, cut, merged, missing, pick_block
 from swarm.data import SampleTable
 from swarm.trainer import feed as feed_module
 from swarm.trainer.feed import BlockLost, DataFeed
@@ -62,11 +62,12 @@ class MemoryDirectory:
     async def blocks(self, key: str) -> dict[int, Claim]:
         return dict(block_from_value(str(b), value) for b, (_, value) in self.stored.get(key, {}).items())
 
-    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> None:
+    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> bool:
         expires = self.clock + lifetime
         entries = self.stored.setdefault(key, {})
         if block not in entries or entries[block][0] <= expires:
             entries[block] = (expires, block_value(claim))
+        return True
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ def test_trainers_coming_and_going_cover_a_pass_once(shared) -> None:
         await b.consume(first_b[1])
         consumed.append(first_b[1])
 
-        directory.clock += data.lease_seconds + 1  # a's lease lapses; b's too, but b renews it
+        directory.clock += data.lease_seconds + LEASE_MARGIN + 1  # a's lease lapses; b's too, but b renews it
         await b._publish_through(b._changed())
         c = trainer("c")
         while c.low_pass == 0:
@@ -149,9 +150,9 @@ class SlowDirectory(MemoryDirectory):
         await asyncio.sleep(self.rng.random() * 0.005)
         return await super().blocks(key)
 
-    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> None:
+    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> bool:
         await asyncio.sleep(self.rng.random() * 0.005)
-        await super().record_block(key, block, claim, lifetime)
+        return await super().record_block(key, block, claim, lifetime)
 
 
 def test_microbatches_completing_while_records_are_written_are_each_handed_out_once(shared) -> None:
@@ -180,3 +181,24 @@ def test_microbatches_completing_while_records_are_written_are_each_handed_out_o
 
     asyncio.run(scenario())
     assert len(handed) == len(set(handed)) == len(table) // 3
+
+
+def test_progress_survives_a_read_that_misses_the_record_and_bogus_records_are_ignored(shared) -> None:
+    table, data, directory = shared
+
+    async def scenario() -> None:
+        a = DataFeed(table, directory, "a", data, microbatch=4, rng=random.Random(0))
+        _, piece = await a.next()
+        await a.consume(piece)
+        directory.stored.clear()  # the DHT node holding the record did not answer, or lost it
+        _, other = await a.next()
+        await a.consume(other)
+        (record,) = [c for c in (await directory.blocks(a._key(0, piece.block))).values()]
+        assert record.done == merged(merged((), (piece.start, piece.end)), (other.start, other.end))
+
+        # a peer's record claiming a whole block with a size no block has, or a lease far off, is not believed
+        key, wrong = a._key(0, 0), Claim("mallory", directory.now() + 1e6, ((0, 1),), 1)
+        await directory.record_block(key, piece.block + 1, wrong, 1e9)
+        assert piece.block + 1 not in await a._read(0, 0)
+
+    asyncio.run(scenario())

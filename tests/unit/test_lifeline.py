@@ -67,3 +67,15 @@ def test_guard_cancels_the_work_when_a_watcher_raises() -> None:
     with pytest.raises(CutOff, match="no server"):
         asyncio.run(guard(work(), FakeDHT(), FakeDaemon(answers=1000), NetConfig(), watcher()))
     assert cancelled == [True]
+
+
+def test_a_watcher_that_ends_cleanly_leaves_the_others_watching() -> None:
+    async def work() -> None:
+        await asyncio.sleep(60)
+
+    async def switched_off() -> None:  # e.g. trainer.no_server_timeout = 0
+        return None
+
+    net = NetConfig(health_every=0.01, health_misses=2)
+    with pytest.raises(NetworkLost):
+        asyncio.run(guard(work(), FakeDHT(), FakeDaemon(answers=3), net, switched_off()))

@@ -30,7 +30,7 @@ def tiny_cfg(**overrides: object) -> ModelConfig:
 def sample(batch: int = 3, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 256, (batch, seq + 1), generator=gen)
-    tokens[0, -4:] = PAD_ID  # a padded sample tail, as the data shards produce
+    tokens[0, -4:] = PAD_ID  # a padded sample tail, as the corpus produces
     return tokens[:, :-1], tokens[:, 1:]
 
 

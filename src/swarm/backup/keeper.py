@@ -160,8 +160,8 @@ class BackupKeeper:
 
     def local(self, stage: int) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """This peer's copy of `stage`, if it holds one."""
-        copy = self.copies.get(stage)
-        return None if copy is None else (copy.meta, copy.tensors)
+        copy = self.copies.get(stage)  # cloned: the stage trains what it loads, and the copy must stay as held
+        return None if copy is None else (copy.meta, [t.clone() for t in copy.tensors])
 
     def summary(self) -> dict[str, Any]:
         return {

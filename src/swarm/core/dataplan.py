@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 Range = tuple[int, int]  # [start, end) positions within a block
 BLOCKS_PER_KEY = 48  # blocks listed under one DHT key: a full key's value stays far below the DHT's 64 KiB
+LEASE_MARGIN = 2.0  # seconds past a lease before another trainer takes the block: clocks differ a little
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Claim:
 
     def free_for(self, me: str, now: float) -> bool:
         """Whether `me` may take (or keep) the block at `now`."""
-        return not self.finished and (self.owner == me or self.lease_until <= now)
+        return not self.finished and (self.owner == me or self.lease_until + LEASE_MARGIN <= now)
 
 
 def merged(done: Iterable[Range], more: Range) -> tuple[Range, ...]:
@@ -49,6 +50,14 @@ def merged(done: Iterable[Range], more: Range) -> tuple[Range, ...]:
         else:
             out.append([start, end])
     return tuple((s, e) for s, e in out if e > s)
+
+
+def merged_all(done: Iterable[Range], more: Iterable[Range]) -> tuple[Range, ...]:
+    """Both sets of consumed ranges as one (what one record lacks, another may hold: they only grow)."""
+    out = tuple(done)
+    for r in more:
+        out = merged(out, r)
+    return out
 
 
 def missing(done: Iterable[Range], size: int) -> list[Range]:

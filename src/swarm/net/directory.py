@@ -86,10 +86,10 @@ class Directory:
         found = await self.dht.get(key, latest=True, return_future=True)
         return dict(_parse(found, block_from_value))
 
-    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> None:
-        """Publish a block's claim. The newest write wins (hivemind keeps the value that expires last), so
-        a claim is read back before it is relied on."""
-        await self.dht.store(key, block_value(claim), expiration_time=get_dht_time() + lifetime,
+    async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> bool:
+        """Publish a block's claim; whether the DHT took it. The newest write wins (hivemind keeps the value
+        that expires last), so a claim is read back before it is relied on."""
+        return await self.dht.store(key, block_value(claim), expiration_time=get_dht_time() + lifetime,
                              subkey=str(block), return_future=True)
 
     def now(self) -> float:

@@ -105,12 +105,14 @@ async def guard(work: Awaitable[T], dht: hivemind.DHT, p2p: P2P, net: NetConfig,
     watching = [asyncio.ensure_future(w) for w in (
         watch(dht, p2p, net.health_every, PROBE_TIMEOUT, net.health_misses), *watchers)]
     try:
-        await asyncio.wait([work, *watching], return_when=asyncio.FIRST_COMPLETED)
-        failed = [w.exception() for w in watching if w.done() and not w.cancelled() and w.exception()]
-        if failed and not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            raise failed[0]
+        pending = {work, *watching}
+        while work in pending:  # a watcher that ends without an error (one switched off) watches no more
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [w.exception() for w in watching if w.done() and not w.cancelled() and w.exception()]
+            if failed and not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                raise failed[0]
         return await work
     finally:
         for w in (work, *watching):

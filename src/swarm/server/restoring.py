@@ -32,7 +32,8 @@ async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: 
     serve it (False: stopped while waiting for a copy)."""
     waited = False
     while not stop.is_set():
-        replicas = [r for r in await directory.stage(st.index) if r.peer_id != st.peer_id]
+        replicas = [r for r in await directory.stage(st.index)
+                    if r.peer_id != st.peer_id and r.config_hash == config_hash]  # others' states do not fit
         if replicas:  # a stage with live replicas: join them, taking their state if they are further along
             ahead = [r for r in replicas if r.epoch > st.runtime.epoch]
             if not ahead or await transfer.download(ahead):

@@ -5,6 +5,7 @@ give the blocks back when the trainer stops."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,7 @@ from swarm.core.dataplan import (
     block_size,
     cut,
     merged,
+    merged_all,
     missing,
     pick_block,
 )
@@ -39,12 +41,14 @@ class BlockLost(Exception):
 
 @dataclass(frozen=True)
 class Piece:
-    """One microbatch's samples: positions [start, end) of block `block` of pass `pass_`."""
+    """One microbatch's samples: positions [start, end) of block `block` of pass `pass_`, handed out
+    under one holding of the block (a block lost and taken again is a new holding)."""
 
     pass_: int
     block: int
     start: int
     end: int
+    holding: int
 
     @property
     def label(self) -> str:
@@ -54,8 +58,10 @@ class Piece:
 @dataclass
 class Held:
     claim: Claim
+    holding: int
+    confirmed_until: float  # the lease as last stored successfully: past it, the block may be another's
     todo: list[Range] = field(default_factory=list)  # microbatch ranges not handed out yet
-    lost: bool = False
+    lost: bool = False  # taken over by another trainer
 
 
 class DataFeed:
@@ -67,6 +73,10 @@ class DataFeed:
         self.num_blocks = block_count(len(table), data.block_samples)
         self.low_pass = 0  # passes below it are finished
         self.held: dict[tuple[int, int], Held] = {}
+        # the newest record seen of each block: consumed ranges only grow, so what a read misses (a DHT
+        # node that did not answer) is not taken for progress lost
+        self.seen: dict[tuple[int, int], Claim] = {}
+        self.holdings = itertools.count()
         self.version = self.published = 0  # changes made to held claims, and those published
         self.publishing = asyncio.Lock()
         self.taken: list[dict] = []  # each block this trainer took, for its summary
@@ -77,24 +87,32 @@ class DataFeed:
     async def next(self) -> tuple[torch.Tensor, Piece]:
         while True:
             for (pass_, block), held in self.held.items():
-                if held.todo and not held.lost:
+                if held.todo:
                     start, end = held.todo.pop(0)
                     base = block * self.data.block_samples
-                    return self.table.samples(pass_, base + start, base + end), Piece(pass_, block, start, end)
+                    piece = Piece(pass_, block, start, end, held.holding)
+                    return self.table.samples(pass_, base + start, base + end), piece
             await self._take_block()
 
     async def consume(self, piece: Piece) -> None:
         """Record the piece consumed (and published) before any stage accumulates it; `BlockLost` if
-        the block is no longer this trainer's."""
-        held = self.held.get((piece.pass_, piece.block))
-        if held is None or held.lost:
+        the block is no longer this trainer's, or its lease could not be confirmed in time."""
+        key = (piece.pass_, piece.block)
+        held = self.held.get(key)
+        if held is not None and held.holding == piece.holding:
+            held.claim = replace(held.claim, done=merged(held.claim.done, (piece.start, piece.end)))
+            await self._publish_through(self._changed())
+            if self.held.get(key) is held and self.directory.now() > held.confirmed_until:
+                self._lose(*key, "its lease could not be renewed in time")
+        if held is None or held.holding != piece.holding or held.lost:
             self.dropped += 1
-            raise BlockLost(f"block {piece.block} of pass {piece.pass_} is held by another trainer")
-        held.claim = replace(held.claim, done=merged(held.claim.done, (piece.start, piece.end)))
-        await self._publish_through(self._changed())
-        if held.lost:
-            self.dropped += 1
-            raise BlockLost(f"block {piece.block} of pass {piece.pass_} was taken over")
+            raise BlockLost(f"block {piece.block} of pass {piece.pass_} is no longer held by this trainer")
+
+    def _lose(self, pass_: int, block: int, why: str) -> None:
+        held = self.held.pop((pass_, block))
+        held.lost = True
+        log.warning("block %d of pass %d lost (%s): %d microbatch(es) of it not sent", block, pass_, why,
+                    len(held.todo))
 
     # ---- leases ------------------------------------------------------------------------------
 
@@ -102,14 +120,16 @@ class DataFeed:
         """Renew the leases of the blocks held (a few times per lease)."""
         while True:
             await asyncio.sleep(self.data.lease_seconds / 4)
-            await self._publish_through(self._changed())
+            try:
+                await self._publish_through(self._changed())
+            except Exception as e:  # the DHT did not answer this time: the next renewal tries again
+                log.warning("could not renew the leases of its data blocks: %s: %s", type(e).__name__, e)
 
     async def release(self) -> None:
         """Give the blocks held back at once, their progress kept: the next trainer goes on from there."""
         async with self.publishing:
             for (pass_, block), held in list(self.held.items()):
-                if not held.lost:
-                    await self._store(pass_, block, replace(held.claim, lease_until=0.0))
+                await self._write(pass_, block, held, lease_until=0.0)
             self.held.clear()
 
     def _changed(self) -> int:
@@ -123,24 +143,43 @@ class DataFeed:
                 return
             upto = self.version
             for (pass_, block), held in list(self.held.items()):
-                if not held.lost:
-                    await self._renew(pass_, block, held)
+                stored = await self._write(pass_, block, held, self.directory.now() + self.data.lease_seconds)
+                if stored is not None and stored.finished:  # nothing of it is left to record
+                    del self.held[(pass_, block)]
             self.published = upto
 
-    async def _renew(self, pass_: int, block: int, held: Held) -> None:
-        found = (await self.directory.blocks(self._key(pass_, block))).get(block)
+    async def _write(self, pass_: int, block: int, held: Held, lease_until: float) -> Claim | None:
+        """Store the held claim with a new lease, unless the block was taken over (then it is lost)."""
+        found = (await self._read(pass_, block // BLOCKS_PER_KEY * BLOCKS_PER_KEY)).get(block)
         if found is not None and found.owner != self.me:
-            held.lost = True
-            log.warning("block %d of pass %d was taken over by %s (this trainer's lease lapsed): %d microbatch(es) "
-                        "of it not sent", block, pass_, short(found.owner), len(held.todo))
-            return
-        held.claim = stored = replace(held.claim, lease_until=self.directory.now() + self.data.lease_seconds)
-        await self._store(pass_, block, stored)
-        if stored.finished:  # published as finished: nothing of it is left to record
-            del self.held[(pass_, block)]
+            self._lose(pass_, block, f"taken over by {short(found.owner)}: this trainer's lease lapsed")
+            return None
+        held.claim = stored = replace(held.claim, lease_until=lease_until)
+        if await self._store(pass_, block, stored):
+            held.confirmed_until = lease_until
+        return stored
 
-    async def _store(self, pass_: int, block: int, claim: Claim) -> None:
-        await self.directory.record_block(self._key(pass_, block), block, claim, RECORD_LIFETIME)
+    async def _store(self, pass_: int, block: int, claim: Claim) -> bool:
+        known = self.seen.get((pass_, block))
+        if known is not None:
+            claim = replace(claim, done=merged_all(known.done, claim.done))
+        self.seen[(pass_, block)] = claim
+        return await self.directory.record_block(self._key(pass_, block), block, claim, RECORD_LIFETIME)
+
+    async def _read(self, pass_: int, first: int) -> dict[int, Claim]:
+        """The group of blocks starting at `first`: their records as read, checked against what this
+        trainer knows of each block, merged with what it has seen of them."""
+        sane_lease = self.directory.now() + 4 * self.data.lease_seconds  # a farther one would lock the block
+        claims = {}
+        for block, claim in (await self.directory.blocks(self._key(pass_, first))).items():
+            if (block < self.num_blocks and claim.size == block_size(block, len(self.table), self.data.block_samples)
+                    and claim.lease_until <= sane_lease):
+                claims[block] = claim
+        for (p, block), known in self.seen.items():
+            if p == pass_ and first <= block < first + BLOCKS_PER_KEY:
+                read = claims.get(block, known)
+                claims[block] = self.seen[(p, block)] = replace(read, done=merged_all(known.done, read.done))
+        return claims
 
     def _key(self, pass_: int, block: int) -> str:
         return data_key(self.directory.run_id, self.corpus, pass_, block // BLOCKS_PER_KEY)
@@ -165,29 +204,29 @@ class DataFeed:
     async def _pick(self, pass_: int) -> tuple[tuple[int, Claim | None] | None, bool]:
         """A free block of the pass and its record (None if none is free), and whether the pass is done."""
         finished = True
-        for group in range(0, self.num_blocks, BLOCKS_PER_KEY):
-            blocks = range(group, min(group + BLOCKS_PER_KEY, self.num_blocks))
-            claims = await self.directory.blocks(self._key(pass_, group))
-            mine = {b for b in self.held if b[0] == pass_}
-            claims = {b: c for b, c in claims.items() if b in blocks and (pass_, b) not in mine}
-            free = [b for b in blocks if (pass_, b) not in mine]
-            block = pick_block(claims, free, self.me, self.directory.now(), self.rng, SPREAD)
+        for first in range(0, self.num_blocks, BLOCKS_PER_KEY):
+            group = range(first, min(first + BLOCKS_PER_KEY, self.num_blocks))
+            blocks = [b for b in group if (pass_, b) not in self.held]
+            claims = await self._read(pass_, first)
+            block = pick_block(claims, blocks, self.me, self.directory.now(), self.rng, SPREAD)
             if block is not None:
                 return (block, claims.get(block)), False
-            finished = finished and all(b in claims and claims[b].finished for b in blocks)
+            finished = finished and len(blocks) == len(group) and all(b in claims and claims[b].finished for b in group)
         return None, finished
 
     async def _claim(self, pass_: int, block: int, before: Claim | None) -> bool:
         size = block_size(block, len(self.table), self.data.block_samples)
         done = before.done if before is not None else ()
-        claim = Claim(self.me, self.directory.now() + self.data.lease_seconds, done, size)
-        await self._store(pass_, block, claim)
+        lease_until = self.directory.now() + self.data.lease_seconds
+        if not await self._store(pass_, block, Claim(self.me, lease_until, done, size)):
+            return False
         await asyncio.sleep(CLAIM_SETTLE)
-        found = (await self.directory.blocks(self._key(pass_, block))).get(block)
+        found = (await self._read(pass_, block // BLOCKS_PER_KEY * BLOCKS_PER_KEY)).get(block)
         if found is None or found.owner != self.me:
             return False  # a rival's claim landed last: it holds the block
-        claim = replace(claim, done=found.done)
-        self.held[(pass_, block)] = Held(claim, cut(missing(claim.done, size), self.microbatch))
+        claim = Claim(self.me, lease_until, found.done, size)
+        self.held[(pass_, block)] = Held(claim, next(self.holdings), lease_until,
+                                         cut(missing(claim.done, size), self.microbatch))
         consumed = size - sum(e - s for s, e in missing(claim.done, size))
         self.taken.append({"pass": pass_, "block": block, "from": before.owner if before else None,
                            "consumed_before": consumed})

@@ -26,6 +26,7 @@ import torch
 
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash
 from swarm.data import SampleTable, load_documents, split_inputs_targets
+from swarm.exiting import STOP_MARGIN, deadline
 from swarm.net.directory import short
 from swarm.net.lifeline import CutOff
 from swarm.net.peer import join
@@ -157,6 +158,9 @@ class Trainer:
     def _drain(self) -> None:
         if not self.draining:
             log.info("trainer stopping: finishing the microbatches in flight")
+            # the last calls in flight, then the stages' confirmation of every gradient, bound the drain
+            bound = 2 * self.tc.request_timeout + self.tc.settle_timeout + STOP_MARGIN
+            deadline(bound, f"trainer …{getattr(self, 'peer_id', '')[-6:]}", asyncio.get_running_loop())
         self.draining = True
 
     async def _microbatch(self, batch: torch.Tensor, piece: Piece) -> None:
@@ -179,6 +183,11 @@ class Trainer:
             await self.feed.consume(piece)  # from here on, sending it again could count it twice
         except BlockLost as e:
             log.warning("microbatch %s not sent: %s", req, e)
+            return
+        except Exception as e:  # its record could not be written: it goes again, recorded first again
+            self._requeued.append((batch, piece))
+            log.warning("microbatch %s could not be recorded (%s: %s); it will be sent again", req,
+                        type(e).__name__, e)
             return
         try:
             served = await call(last, "forward", req, [x, targets], accumulating=True)

@@ -8,6 +8,7 @@ trusted: a record is data from an unknown peer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,12 +144,13 @@ def block_value(claim: Claim) -> dict[str, Any]:
 
 def block_from_value(subkey: str, value: Any) -> tuple[int, Claim]:
     """A block's number (the subkey) and its claim, as published by some trainer."""
-    if not subkey.isdigit():
+    if not (subkey.isascii() and subkey.isdigit()):
         raise RecordError(f"block subkey {subkey!r} is not a block number")
     if not isinstance(value, dict):
         raise RecordError(f"expected a dict, got {type(value).__name__}")
     owner, lease, size, done = (value.get(k) for k in ("owner", "lease_until", "size", "done"))
-    if not isinstance(owner, str) or not isinstance(lease, (int, float)) or isinstance(lease, bool):
+    if not isinstance(owner, str) or not isinstance(lease, (int, float)) or isinstance(lease, bool) \
+            or not math.isfinite(lease):
         raise RecordError("owner or lease_until malformed")
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         raise RecordError("size malformed")
