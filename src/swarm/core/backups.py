@@ -57,7 +57,7 @@ def plan_entry(own: int, copies: list[tuple[str, int, int]], progressed: bool, f
     """The entry of a server holding its stage at epoch `own` (0: initial weights; more: from its own
     checkpoint) into a stage with no live replica. `copies`: (holder, epoch, newest stage epoch the
     holder saw) of every copy found; `progressed`: whether the run is past its start (another stage has
-    stepped, or trainers completed samples).
+    stepped).
 
     The newest state reachable wins. Initial weights are served mid-run only when the operator allows
     it (`fresh_allowed`); otherwise the server waits for a copy (a holder may still be joining)."""

@@ -90,8 +90,8 @@ def _record(st: ServedStage, entry: Entry, epoch: int) -> None:
 
 
 async def run_progressed(directory: Directory, num_stages: int, stage: int) -> bool:
-    """Whether the run is past its start: another stage has stepped, or trainers completed samples."""
+    """Whether the run is past its start: another stage has stepped. (Samples trainers completed do not
+    say so: every stage accumulates the same samples, so before any stage steps a stage whose replicas all
+    died was still at its initial weights, which a fresh start gives back exactly.)"""
     layout: dict[int, Any] = await directory.stages(num_stages)
-    if any(r.epoch > 0 for k, records in layout.items() if k != stage for r in records):
-        return True
-    return any(t.completed > 0 for t in await directory.trainers())
+    return any(r.epoch > 0 for k, records in layout.items() if k != stage for r in records)
