@@ -78,7 +78,8 @@ def run(cfg, seconds: float, every: float | None, seed: int, correlated: bool = 
             if correlated:  # every replica of one stage (all of them up), together
                 full = [k for k in range(cfg.model.num_stages)
                         if sum(p.stage == k for p in serving) == cfg.local.servers_per_stage]
-                victims = [p for p in serving if p.stage == rng.choice(full)] if full else []
+                stage = rng.choice(full) if full else None
+                victims = [p for p in serving if p.stage == stage]
             else:  # a serving server whose stage keeps another serving one: the stage's state must survive
                 victims = [rng.choice([p for p in serving if sum(q.stage == p.stage for q in serving) > 1])]
             for victim in victims:

@@ -143,7 +143,7 @@ def test_unequal_servers_balance_capacity_not_counts(tmp_path):
 
     def trained_on_at_one_to_three(watch: LayoutWatch, status: SwarmStatus) -> bool:
         there = [h for h in watch.history if h[1] == expected]
-        return bool(there) and status.min_epoch >= there[0][2] + 5
+        return bool(there) and status.min_epoch >= there[0][2] + 3
 
     finishing = FinishWhen(swarm, trained_on_at_one_to_three)
     watch = finishing.watch

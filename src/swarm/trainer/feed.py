@@ -149,8 +149,11 @@ class DataFeed:
             self.published = upto
 
     async def _write(self, pass_: int, block: int, held: Held, lease_until: float) -> Claim | None:
-        """Store the held claim with a new lease, unless the block was taken over (then it is lost)."""
-        found = (await self._read(pass_, block // BLOCKS_PER_KEY * BLOCKS_PER_KEY)).get(block)
+        """Store the held claim with a new lease, unless the block was taken over (then it is lost). While
+        the lease last stored holds, no one may take the block over, and the record need not be read."""
+        found = None
+        if self.directory.now() >= held.confirmed_until:
+            found = (await self._read(pass_, block // BLOCKS_PER_KEY * BLOCKS_PER_KEY)).get(block)
         if found is not None and found.owner != self.me:
             self._lose(pass_, block, f"taken over by {short(found.owner)}: this trainer's lease lapsed")
             return None
