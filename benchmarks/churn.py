@@ -75,20 +75,20 @@ def run(cfg, seconds: float, every: float | None, seed: int, correlated: bool = 
             return
         if every and now - (kills[-1] if kills else began[0]) >= every:
             serving = [p for p in swarm.servers() if _serving(p)]
-            if correlated:  # every replica of one stage (all of them up), together
-                full = [k for k in range(cfg.model.num_stages)
-                        if sum(p.stage == k for p in serving) == cfg.local.servers_per_stage]
+            if correlated:  # every replica of one stage, together: by the DHT, since rebalancing moves servers
+                members = status.members
+                full = [k for k in range(cfg.model.num_stages) if len(members.get(k, [])) >= 2]
                 stage = rng.choice(full) if full else None
-                victims = [p for p in serving if p.stage == stage]
+                victims = [p for p in serving if p.name in members.get(stage, [])]
             else:  # a serving server whose stage keeps another serving one: the stage's state must survive
                 victims = [rng.choice([p for p in serving if sum(q.stage == p.stage for q in serving) > 1])]
             for victim in victims:
                 faults.kill(victim)
             if victims:
                 kills.append(now)
-                losses.append((now, victims[0].stage))
-            for victim in victims:
-                down[swarm.add_server(victim.stage).name] = now
+                losses.append((now, stage if correlated else victims[0].stage))
+            for victim in victims:  # a fresh server for the stage the victim served
+                down[swarm.add_server(stage if correlated else victim.stage).name] = now
 
     try:
         swarm.start()
