@@ -12,7 +12,7 @@ from swarm.config import DataConfig
 from swarm.core.dataplan import LEASE_MARGIN, Claim, cut, merged, missing, pick_block
 from swarm.data import SampleTable
 from swarm.trainer import feed as feed_module
-from swarm.trainer.feed import BlockLost, DataFeed
+from swarm.trainer.feed import BlockLost, DataFeed, Piece
 from swarm.wire.records import RecordError, block_from_value, block_value
 
 
@@ -123,13 +123,19 @@ def test_trainers_coming_and_going_cover_a_pass_once(shared) -> None:
     assert len(positions) == expected
 
 
+async def one_consumed(table, directory, data) -> tuple[DataFeed, Piece]:
+    """Trainer "a", having consumed the first microbatch it was handed."""
+    feed = DataFeed(table, directory, "a", data, microbatch=4, rng=random.Random(0))
+    _, piece = await feed.next()
+    await feed.consume(piece)
+    return feed, piece
+
+
 def test_a_released_block_goes_on_at_once_where_it_stopped(shared) -> None:
     table, data, directory = shared
 
     async def scenario() -> None:
-        a = DataFeed(table, directory, "a", data, microbatch=4, rng=random.Random(0))
-        _, piece = await a.next()
-        await a.consume(piece)
+        a, piece = await one_consumed(table, directory, data)
         await a.release()
         b = DataFeed(table, directory, "b", data, microbatch=4, rng=random.Random(0))
         while not b.taken or b.taken[-1]["block"] != piece.block:  # long before a's lease would lapse
@@ -187,9 +193,7 @@ def test_progress_survives_a_read_that_misses_the_record_and_bogus_records_are_i
     table, data, directory = shared
 
     async def scenario() -> None:
-        a = DataFeed(table, directory, "a", data, microbatch=4, rng=random.Random(0))
-        _, piece = await a.next()
-        await a.consume(piece)
+        a, piece = await one_consumed(table, directory, data)
         directory.stored.clear()  # the DHT node holding the record did not answer, or lost it
         _, other = await a.next()
         await a.consume(other)
