@@ -127,6 +127,7 @@ def test_servers_come_to_a_stage_that_lost_all_but_one(tmp_path):
     assert_replicas_in_step(summary, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_unequal_servers_balance_capacity_not_counts(tmp_path):
     """Stage 0 holds a fast server and a slow one (it idles 11 times its compute's CPU time: 3-5 times
