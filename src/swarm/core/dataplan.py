@@ -90,10 +90,13 @@ def pick_block(claims: Mapping[int, Claim], blocks: Sequence[int], me: str, now:
     """Which of `blocks` (in order) `me` should hold next; None if each is finished or held by another.
 
     A block `me` already holds comes first (a trainer restarted with its identity picks up its own
-    block). Otherwise one of the `spread` lowest free blocks, at random: trainers looking at the same
-    moment mostly pick different blocks, and low blocks go first so that none is left behind."""
+    block), then the lowest block another trainer left unfinished (it died, or gave the block back):
+    what was begun is finished first. Otherwise one of the `spread` lowest untouched blocks, at random:
+    trainers looking at the same moment mostly pick different blocks, and low blocks go first so that
+    none is left behind."""
     free = [b for b in blocks if b not in claims or claims[b].free_for(me, now)]
     held = [b for b in free if b in claims and claims[b].owner == me]
-    if held:
-        return held[0]
+    left = [b for b in free if b in claims]
+    if held or left:
+        return (held or left)[0]
     return rng.choice(free[:max(1, spread)]) if free else None
