@@ -7,12 +7,15 @@ import time
 
 import pytest
 import torch
+from hivemind.p2p import P2P, PeerID
 
 from swarm.config import config_hash
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
+from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
 from swarm.ops.local import LocalSwarm
+from swarm.wire.codecs import Packed
 
 from .helpers import small_config, tracebacks
 
@@ -44,6 +47,11 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
     nan_hidden[0, 0, 0] = float("nan")
     inf_hidden = hidden.clone()
     inf_hidden[1, 2, 3] = float("inf")
+    huge = hidden.clone()
+    huge[0, 1, 2] = 3e38  # finite: only the bounds stop it
+    # one value per block of 2^29: decoded by padding to whole blocks, it held a server for 21 s
+    big_block = Packed({"codec": "blockwise8", "shape": list(hidden.shape), "dtype": "float32", "block": 1 << 29},
+                       [torch.zeros(hidden.numel(), dtype=torch.int8), torch.ones(1)])
     cases = [  # (stage, method, meta overrides, tensors, expected words in the error)
         (0, "forward", {}, [ids.float()], "dtype"),
         (0, "forward", {}, [torch.randint(0, 256, (2, seq + 1))], "shape"),
@@ -58,6 +66,9 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
         (1, "forward", {}, [hidden], "inputs, targets"),
         (1, "forward", {}, [torch.randn(8, seq, d), torch.randint(0, 256, (8, seq))], "exceeds the limit"),
         (1, "backward", {}, [hidden, hidden], "last stage"),
+        (1, "forward", {}, [huge, ids], "exceeds the bound"),
+        (0, "backward", {}, [ids, huge], "grad_outputs: norm"),
+        (1, "forward", {}, [Tagged("activations", big_block), ids], "block size"),
     ]
 
     async def scenario() -> list[str]:
@@ -82,6 +93,10 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
                 else:
                     reply, (grad,) = await client.call(peers[1], "forward", good, [hidden, ids], 30)
                     assert reply["loss"] > 0 and grad.shape == hidden.shape
+            await _send_an_oversized_message(client.p2p, peers[1])
+            reply, _ = await client.call(peers[1], "forward", {"req": "after", "stage": 1, "config": good_hash},
+                                         [hidden, ids], 30)
+            assert reply["loss"] > 0
             # a request for another stage comes from a caller whose view lags a server's move: it is
             # answered "unavailable" (the caller goes elsewhere), not refused as malformed
             with pytest.raises(CallFailed) as info:
@@ -103,6 +118,20 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
     # its caller may see the stream break instead of the answer, and the transport sends it once more
     oversize = sum(expected == "exceeds the limit" for *_, expected in cases)
     assert len(cases) <= logged <= len(cases) + oversize
+    (stage_1_log,) = (tmp_path / "logs").glob("server-s1-*.log")
+    assert "stream message of 1099511627776 bytes cut off" in stage_1_log.read_text()
+
+
+async def _send_an_oversized_message(p2p, peer: str) -> None:
+    """A stream message whose header declares 1 TiB: hivemind would try to read it all. The server ends
+    the stream at the header, at once."""
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer), "StageServicer.rpc_forward")
+    writer.write(P2P.MESSAGE_MARKER + (1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"x" * 1024)
+    await writer.drain()
+    started = time.monotonic()
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+    assert time.monotonic() - started < 5
+    writer.close()
 
 
 REFUSED = {  # a setting that differs from the swarm's, and how the refusal names it

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.averaging.allreduce import Bounds, RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
 from swarm.net.protocol import decode, encode
 from swarm.net.transport import CallFailed
 from swarm.wire.codecs import EXACT, Policy, error_bound
@@ -71,13 +71,13 @@ def always(epoch: int, group: tuple[str, ...]) -> bool:
 
 def make_members(
     ids: Sequence[str], timeout: float = 5.0, on_wake: dict[str, Callable[[int, tuple[str, ...]], bool]] | None = None,
-    policy: Policy = EXACT,
+    policy: Policy = EXACT, bounds: Bounds | None = None,
 ) -> dict[str, StageAllReduce]:
     members: dict[str, StageAllReduce] = {}
     for peer in ids:
         wake = (on_wake or {}).get(peer, always)
         members[peer] = StageAllReduce(LoopbackClient(peer, members, policy), peer, stage=1, timeout=timeout,
-                                       on_wake=wake)
+                                       on_wake=wake, bounds=bounds or Bounds())
     return members
 
 
@@ -350,6 +350,48 @@ def test_an_unreachable_owner_fails_the_round_at_once_and_is_named() -> None:
     assert elapsed < 2.0
     assert members["peerA"].client.calls.count(("peerA", "peerB")) == 3
     assert members["peerA"]._rounds == {}
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3e38])
+def test_a_poisoned_contribution_fails_the_round_at_once_and_names_its_sender(poison: float) -> None:
+    """peerC sends a part that is not finite, or whose norm per sample is over the bound: every honest
+    owner refuses it and ends its round before the timeout, and every honest member's failure names
+    peerC, so the next group leaves it out. No mean is computed with it."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 2, "peerB": 3, "peerC": 4}
+    flat = grads(samples, 90)
+    flat["peerC"][::7] = poison
+    members = make_members(ids, timeout=30.0, bounds=Bounds(max_norm_per_sample=1e3))
+
+    async def main() -> tuple[list[Any], float]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        outcomes = await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids),
+                                        return_exceptions=True)
+        return outcomes, loop.time() - start
+
+    outcomes, elapsed = run_all(main())
+    assert all(isinstance(o, RoundFailed) for o in outcomes), outcomes
+    assert elapsed < 2.0
+    for peer, outcome in zip(ids, outcomes, strict=True):
+        if peer != "peerC":
+            assert outcome.unreachable == frozenset({"peerC"}), outcome
+
+
+def test_a_contribution_claiming_more_samples_than_its_microbatches_hold_is_refused() -> None:
+    members = make_members(["peerA", "peerB"], timeout=SHORT, bounds=Bounds(samples_per_id=8))
+
+    async def main() -> None:
+        round_ = asyncio.create_task(members["peerA"].run(0, ("peerA", "peerB"), torch.zeros(10), 1, ids=["a"]))
+        await asyncio.sleep(0)
+        try:
+            with pytest.raises(BadRequest, match="claims 10000 samples for 1"):
+                await members["peerA"].contribute(_meta(samples=10_000, ids=["x"]), [torch.zeros(5)], "peerB")
+        finally:
+            round_.cancel()
+            await asyncio.gather(round_, return_exceptions=True)
+
+    run_all(main())
 
 
 # ---- malformed requests --------------------------------------------------------------------------

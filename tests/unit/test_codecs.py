@@ -3,13 +3,15 @@ activations and gradients of the model; shapes and dtypes survive; malformed pay
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from swarm.config import load_config
 from swarm.data.corpus import load_documents
 from swarm.model import load_stages
-from swarm.wire.codecs import CODECS, Packed, decode, encode, error_bound
+from swarm.wire.codecs import CODECS, MAX_BLOCK, Packed, decode, encode, error_bound
 from swarm.wire.validate import BadRequest
 
 
@@ -95,6 +97,8 @@ def packed_of(codec: str) -> Packed:
         ("blockwise8", lambda p: p.parts.__setitem__(1, p.parts[1][:-1]), "scales"),
         ("blockwise8", lambda p: p.parts[1].__setitem__(0, float("inf")), "finite"),
         ("blockwise8", lambda p: p.meta.update(block=0), "block size"),
+        ("blockwise8", lambda p: p.meta.update(block=True), "block size"),
+        ("fp16", lambda p: p.meta.update(shape=[1] * 9 + [300]), "bad shape"),
         ("none", lambda p: p.parts.append(torch.zeros(1)), "one tensor"),
     ],
 )
@@ -108,3 +112,21 @@ def test_malformed_payloads_are_refused_with_the_reason(codec, spoil, message) -
 def test_unknown_codec_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="unknown codec"):
         encode(torch.zeros(3), "gzip")
+
+
+def test_a_huge_declared_block_is_refused_before_any_allocation() -> None:
+    """One value declared with a block of 2^29 would pad to half a gigabyte of floats, and 2^31 to 8 GiB."""
+    for block in (MAX_BLOCK + 1, 1 << 29, 1 << 31):
+        packed = Packed({"codec": "blockwise8", "shape": [1], "dtype": "float32", "block": block},
+                        [torch.ones(1, dtype=torch.int8), torch.ones(1)])
+        started = time.perf_counter()
+        with pytest.raises(BadRequest, match="block size"):
+            decode(packed)
+        assert time.perf_counter() - started < 0.1
+
+
+def test_a_block_larger_than_the_tensor_round_trips() -> None:
+    """Decoding no longer pads to whole blocks: a tensor shorter than its block still comes back."""
+    x = torch.randn(3)
+    out = decode(encode(x, "blockwise8", block=MAX_BLOCK))
+    torch.testing.assert_close(out, x, atol=float(error_bound(x, "blockwise8", MAX_BLOCK).max()), rtol=0)

@@ -10,9 +10,10 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from swarm.net.protocol import WIRE_KEY, Tagged, Traffic, decode, encode
+from swarm.net.protocol import MAX_TENSORS, WIRE_KEY, Tagged, Traffic, bound_stream_messages, decode, encode
 from swarm.wire import codecs
 from swarm.wire.codecs import Policy, error_bound
 from swarm.wire.validate import BadRequest
@@ -281,3 +282,29 @@ def test_a_malformed_description_of_packed_tensors_is_refused(corrupt: Callable[
     messages[0].metadata = msgpack.packb(meta)
     with pytest.raises(BadRequest, match="malformed"):
         decode_list(messages)
+
+
+def test_too_many_tensor_parts_are_refused_as_they_arrive() -> None:
+    """Empty tensors cost nothing on the wire but a Python object each: their count is bounded."""
+    messages = list(encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(0)] * (MAX_TENSORS + 2)))
+    with pytest.raises(BadRequest, match="tensor parts"):
+        decode_list(messages)
+
+
+def test_a_stream_message_declaring_gigabytes_is_cut_off_unread() -> None:
+    """hivemind would read the whole declared length: bounded, the header alone ends the stream."""
+    bound_stream_messages(1 << 20)
+
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data((1 << 40).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"x" * 16)
+        with pytest.raises(asyncio.IncompleteReadError):
+            await P2P.receive_raw_data(reader)
+        reader = asyncio.StreamReader()  # a message within the bound still reads whole
+        reader.feed_data((3).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + b"abc")
+        assert await P2P.receive_raw_data(reader) == b"abc"
+
+    try:
+        asyncio.run(main())
+    finally:
+        bound_stream_messages()

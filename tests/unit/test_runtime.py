@@ -529,3 +529,49 @@ def test_a_batch_member_left_out_of_the_batch_backward_is_recomputed() -> None:
     assert_within(merged.flat_grad(), separate.flat_grad(), 1e-5)
     assert (merged.fast_backwards, merged.recomputed_backwards) == (1, 1)
     assert merged.pending_samples == 5
+
+
+def test_a_step_on_a_non_finite_gradient_leaves_the_weights_as_they_were() -> None:
+    """Every replica gets the same mean: each leaves its weights alone, and the epoch (and the ledger)
+    still moves on, so delivery stays exact."""
+    rt = runtime(load_stages(tiny_cfg())[1])
+    before = flat(rt.params).clone()
+    samples = accumulate(rt, seed=5)
+    mean = rt.flat_grad() / samples
+    mean[3] = float("nan")
+    record = rt.apply_step(mean, samples, group=1)
+    assert not math.isfinite(record.grad_norm)
+    assert torch.equal(flat(rt.params), before) and rt.epoch == 1 and len(rt.committed) == 1
+    train_steps(rt, [6])  # and the next, finite step is taken
+    assert not torch.equal(flat(rt.params), before) and bool(torch.isfinite(flat(rt.params)).all())
+
+
+def _spoiled(rt: StageRuntime, spoil) -> tuple[dict, list[torch.Tensor]]:
+    meta, tensors = rt.state()
+    meta, tensors = dict(meta), [t.clone() for t in tensors]
+    spoil(meta, tensors)
+    return meta, tensors
+
+
+@pytest.mark.parametrize(("spoil", "message"), [
+    (lambda m, t: t[0].view(-1).__setitem__(0, float("nan")), "NaN"),
+    (lambda m, t: m.update(epoch=float("inf")), "epoch"),
+    (lambda m, t: m.update(epoch=2.5), "epoch"),
+    (lambda m, t: m.update(epoch=True), "epoch"),
+    (lambda m, t: t.__setitem__(1, torch.zeros(3)), "is torch.float32"),
+    (lambda m, t: m.update(names=list(reversed(m["names"]))), "other tensors"),
+    (lambda m, t: m.update(opt_keys=[[10**6, "exp_avg"]] + m["opt_keys"][1:]), "optimizer entries"),
+    (lambda m, t: m.update(ledger=[["x", "y"]]), "ledger"),
+    (lambda m, t: t.pop(), "tensors, expected"),
+])
+def test_a_bad_state_is_refused_whole_and_changes_nothing(spoil, message) -> None:
+    """A state from another peer is checked in full before any of it is applied."""
+    stage = load_stages(tiny_cfg())[1]
+    source, target = runtime(stage), runtime(stage)
+    train_steps(source, [40])
+    meta, tensors = _spoiled(source, spoil)
+    before = [t.clone() for t in target.module.state_dict().values()]
+    with pytest.raises(ValueError, match=message):
+        target.load_state(meta, tensors)
+    assert target.epoch == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, target.module.state_dict().values(), strict=True))

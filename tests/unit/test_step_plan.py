@@ -117,3 +117,8 @@ def test_a_proposal_is_accepted_only_for_our_epoch_with_us_and_everyone_we_know_
     assert not accept_proposal(memory, "me", 3, 2, ("b", "c", "me"))
     assert not accept_proposal(memory, "me", 3, 3, ("b", "c"))
     assert not accept_proposal(suspect(memory, ["c"], 9.0, 3), "me", 3, 3, ("b", "c", "me"))
+    # a peer that is no replica we have seen at this epoch cannot put itself in the stage's round
+    assert not accept_proposal(memory, "me", 3, 3, ("b", "c", "me", "outsider"))
+    assert not accept_proposal(memory, "me", 3, 3, ("me", "outsider"))
+    # nor can anyone before our plan has looked at this epoch
+    assert not accept_proposal(PlanMemory(), "me", 3, 3, ("b", "c", "me"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swarm.wire.records import RecordError, ServerRecord, TrainerRecord
-from swarm.wire.validate import BadRequest, TensorSpec, check_same_batch, check_tensor
+from swarm.wire.validate import BadRequest, TensorSpec, check_norm, check_same_batch, check_tensor
 
 HIDDEN = TensorSpec(torch.float32, (16, 32))
 TOKENS = TensorSpec(torch.int64, (16,), max_value=257)
@@ -220,3 +220,31 @@ def test_different_batches_are_refused_naming_each_tensor() -> None:
     with pytest.raises(BadRequest, match="batch sizes differ") as info:
         check_same_batch(("inputs", torch.zeros(3, 16)), ("grad_outputs", torch.zeros(4, 16)))
     assert "'inputs': 3" in str(info.value) and "'grad_outputs': 4" in str(info.value)
+
+
+def test_finite_but_huge_values_are_refused_by_the_bounds() -> None:
+    """3e38 is finite: the bounds, not the finiteness check, keep it from a stage's weights."""
+    huge = torch.zeros(2, 16, 32)
+    huge[1, 3, 5] = 3e38
+    check_tensor("hidden", huge, HIDDEN, max_batch=2)  # no bound given: finite is enough
+    with pytest.raises(BadRequest, match="magnitude 3e\\+38 exceeds the bound of 1e\\+06"):
+        check_tensor("hidden", huge, HIDDEN, max_batch=2, max_abs=1e6)
+    with pytest.raises(BadRequest, match="grad_outputs: norm 3e\\+38 exceeds the bound of 1e\\+03"):
+        check_norm("grad_outputs", huge, 1e3)
+    check_norm("grad_outputs", torch.full((2, 16, 32), 1.0), 1e3)  # norm 32
+    check_norm("grad_outputs", huge, 0.0)  # 0: no bound
+
+
+def test_a_record_whose_subkey_is_no_peer_id_is_dropped_and_the_rest_read() -> None:
+    """A forged subkey once crashed whoever tried to call it; now the read leaves it out."""
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from swarm.net.directory import _by_peer, _parse
+
+    good = PeerID.from_base58("QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco").to_base58()
+    value = server_record().to_value()
+    found = SimpleNamespace(value={good: SimpleNamespace(value=value), "not a peer": SimpleNamespace(value=value)})
+    records = _parse(found, _by_peer(ServerRecord.from_value))
+    assert [r.peer_id for r in records] == [good]

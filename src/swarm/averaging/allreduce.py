@@ -49,9 +49,21 @@ log = logging.getLogger(__name__)
 
 
 DIVERGED = "diverged:"  # marks a refusal because member weights differ
+POISON = "poisoned:"  # marks a refusal of a contribution that is not finite or over its bound
 
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
+MAX_GROUP = 256  # members a proposed group may list
+MAX_IDS = 1 << 16  # microbatch ids one contribution may list
+MAX_ID_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What one member's contribution may hold (0: no bound)."""
+
+    max_norm_per_sample: float = 0.0  # L2 norm of its part divided by its samples
+    samples_per_id: int = 0  # samples per microbatch it lists
 
 
 class RoundFailed(Exception):
@@ -96,17 +108,33 @@ class _Contribution:
     part: torch.Tensor
 
     @classmethod
-    def parse(cls, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str) -> _Contribution:
-        try:
-            epoch, group, samples = int(meta["epoch"]), tuple(meta["group"]), int(meta["samples"])
-            ids = list(meta.get("ids", []))
-        except (KeyError, TypeError, ValueError) as e:
-            raise BadRequest(f"malformed reduce request: {e}") from e
-        if not all(isinstance(p, str) for p in (*group, *ids)) or samples < 0:
-            raise BadRequest("malformed reduce request: group and ids must list strings and samples be >= 0")
+    def parse(cls, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str, bounds: Bounds) -> _Contribution:
+        if not isinstance(meta, dict):
+            raise BadRequest("malformed reduce request: metadata must be a map")
+        epoch, group, samples, ids = (meta.get(k) for k in ("epoch", "group", "samples", "ids"))
+        ids = [] if ids is None else ids
+        if not (_is_int(epoch) and _is_int(samples) and isinstance(group, list) and isinstance(ids, list)):
+            raise BadRequest("malformed reduce request: epoch, samples, group or ids missing or mistyped")
+        if not (len(group) <= MAX_GROUP and len(ids) <= MAX_IDS
+                and all(isinstance(p, str) and len(p) <= MAX_ID_CHARS for p in (*group, *ids))):
+            raise BadRequest("malformed reduce request: group and ids must list at most "
+                             f"{MAX_GROUP} and {MAX_IDS} short strings")
+        if samples < 0 or (bounds.samples_per_id and samples > len(ids) * bounds.samples_per_id):
+            raise BadRequest(f"reduce request claims {samples} samples for {len(ids)} microbatch(es)")
         if sender not in group or len(tensors) != 1:
             raise BadRequest("reduce request from outside its own group")
-        return cls(sender, epoch, group, samples, ids, str(meta.get("digest", "")), tensors[0])
+        part = tensors[0]
+        if not bool(torch.isfinite(part).all()):
+            raise BadRequest(f"{POISON} part from {short(sender)} holds NaN or Inf")
+        norm = float(torch.linalg.vector_norm(part.float())) / max(samples, 1)
+        if bounds.max_norm_per_sample and norm > bounds.max_norm_per_sample:
+            raise BadRequest(f"{POISON} part from {short(sender)} has norm {norm:.3g} per sample, over the bound "
+                             f"of {bounds.max_norm_per_sample:.3g}")
+        return cls(sender, epoch, tuple(group), samples, ids, str(meta.get("digest", "")), part)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -118,6 +146,7 @@ class _Round:
     contributions: dict[str, tuple[torch.Tensor, int, list[str]]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: tuple[codecs.Packed, int, list[str]] | None = None
+    poisoned: set[str] = field(default_factory=set)  # members whose contribution was refused as poison
 
 
 @dataclass
@@ -145,7 +174,9 @@ class StageAllReduce:
         stage: int,
         timeout: float,
         on_wake: Callable[[int, tuple[str, ...]], bool],
+        bounds: Bounds | None = None,
     ):
+        self.bounds = bounds or Bounds()
         self.client = client
         self.own_id = own_id
         self.stage = stage
@@ -194,6 +225,8 @@ class StageAllReduce:
         except (CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e
+            if rnd.poisoned:  # left out of the next groups, like a member that does not answer
+                raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
             members = ",".join(map(short, group))
             raise RoundFailed(f"epoch {epoch} with [{members}]: {type(e).__name__} {e}".rstrip()) from e
         finally:
@@ -251,8 +284,17 @@ class StageAllReduce:
     async def contribute(
         self, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Owner side: take one member's part, answer with the reduced part once all are in."""
-        c = _Contribution.parse(meta, tensors, sender)
+        """Owner side: take one member's part, answer with the reduced part once all are in. A poisoned
+        part (not finite, or over the bounds) ends this owner's round at once: its result would be poison."""
+        try:
+            c = _Contribution.parse(meta, tensors, sender, self.bounds)
+        except BadRequest as e:
+            epoch = meta.get("epoch") if isinstance(meta, dict) else None
+            rnd = self._rounds.get(epoch) if isinstance(epoch, int) else None
+            if POISON in str(e) and rnd is not None and sender in rnd.group and rnd.result is None:
+                rnd.poisoned.add(sender)
+                rnd.complete.set()
+            raise
         done = self._finished.get(c.epoch)
         if done is not None and done.group == c.group and sender in done.contributions and done.result is not None:
             return self._answer(done.result)  # a repeat of a contribution to a round that completed

@@ -41,8 +41,15 @@ class ServerConfig:
     # checkpoint of it can be reached: the stage's training so far is lost (every peer's summary says so).
     # Without it such a server waits for a copy to appear.
     fresh_start: bool = False
+    # Bounds on what one peer may send, so that its poison never reaches the weights (0: no bound). A
+    # request's grad_outputs with a larger L2 norm is refused, and so is an all-reduce contribution whose
+    # norm per sample is larger; a request's activations may not hold a value of larger magnitude.
+    max_grad_norm: float = 1000.0
+    max_activation: float = 1e6
 
     def __post_init__(self) -> None:
+        require(self.max_grad_norm >= 0, "server.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        require(self.max_activation >= 0, "server.max_activation", f"must be >= 0, got {self.max_activation}")
         require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
         require(self.slowdown >= 1.0, "server.slowdown", f"must be >= 1, got {self.slowdown}")
         require(self.reply_delay >= 0, "server.reply_delay", f"must be >= 0, got {self.reply_delay}")

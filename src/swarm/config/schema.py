@@ -16,7 +16,7 @@ from typing import Any
 
 from swarm.config.checks import ConfigError, ConfigMismatch, require
 from swarm.config.roles import BackupConfig, LocalSwarmConfig, RebalanceConfig, ServerConfig, TrainerConfig
-from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, Policy
+from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, MAX_BLOCK, Policy
 
 __all__ = [
     "BackupConfig", "ConfigError", "ConfigMismatch", "DataConfig", "LocalSwarmConfig", "ModelConfig", "NetConfig",
@@ -217,7 +217,7 @@ class WireConfig:
         for role in ("activations", "gradients", "allreduce"):
             codec = getattr(self, role)
             require(codec in CODECS, f"wire.{role}", f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
-        require(self.block > 0, "wire.block", f"must be positive, got {self.block}")
+        require(0 < self.block <= MAX_BLOCK, "wire.block", f"must lie in [1, {MAX_BLOCK}], got {self.block}")
 
     def policy(self) -> Policy:
         return Policy({"activations": self.activations, "gradients": self.gradients,

@@ -135,9 +135,11 @@ def suspect(memory: PlanMemory, peers: Iterable[str], until: float, epoch: int) 
 
 
 def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> bool:
-    """Whether to join a round a groupmate began: for our epoch, with us in it, none of our suspects, and
-    no replica left out that we know is at this epoch (its samples would be dropped later)."""
+    """Whether to join a round a groupmate began: for our epoch, with us in it, none of our suspects, no
+    replica left out that we know is at this epoch (its samples would be dropped later), and no member we
+    have not seen at this epoch in the stage's records (a peer outside the stage must not get in). Until
+    our plan has looked at this epoch, a proposal waits: the proposer retries."""
     if proposed_epoch != epoch or me not in group or memory.suspects.keys() & set(group):
         return False
     seen_epoch, seen = memory.peers_at_epoch
-    return not (seen_epoch == epoch and not seen <= set(group))
+    return seen_epoch == epoch and seen == set(group) - {me}

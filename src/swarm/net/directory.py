@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 from hivemind import DHT
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.core.dataplan import Claim
@@ -50,7 +51,7 @@ class Directory:
     async def stage(self, stage: int) -> list[ServerRecord]:
         """Live servers of one stage, malformed and withdrawn entries dropped."""
         found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
-        return [r for r in _parse(found, ServerRecord.from_value) if not r.gone and r.stage == stage]
+        return [r for r in _parse(found, _by_peer(ServerRecord.from_value)) if not r.gone and r.stage == stage]
 
     async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
         """All stages, read at once: a read that waits on an unresponsive DHT node delays the view once,
@@ -69,7 +70,7 @@ class Directory:
 
     async def trainers(self) -> list[TrainerRecord]:
         found = await self.dht.get(trainers_key(self.run_id), latest=True, return_future=True)
-        return _parse(found, TrainerRecord.from_value)
+        return _parse(found, _by_peer(TrainerRecord.from_value))
 
 
     async def announce_backup(self, record: BackupRecord, ttl: float) -> None:
@@ -79,7 +80,7 @@ class Directory:
     async def backups(self, stage: int) -> list[BackupRecord]:
         """The copies of a stage held outside it (see swarm.core.backups)."""
         found = await self.dht.get(backup_key(self.run_id, stage), latest=True, return_future=True)
-        return [r for r in _parse(found, BackupRecord.from_value) if r.stage == stage]
+        return [r for r in _parse(found, _by_peer(BackupRecord.from_value)) if r.stage == stage]
 
     async def blocks(self, key: str) -> dict[int, Claim]:
         """The block records under one data key (see swarm.core.dataplan): block -> claim."""
@@ -97,6 +98,18 @@ class Directory:
         return get_dht_time()
 
 
+def _by_peer(parse):
+    """`parse` for records whose subkey names their writer: a subkey that is no peer id is malformed (a
+    call to it could not even be addressed)."""
+    def checked(subkey: str, value):
+        try:
+            PeerID.from_base58(subkey)
+        except Exception as e:
+            raise RecordError(f"subkey {subkey[:60]!r} is not a peer id") from e
+        return parse(subkey, value)
+    return checked
+
+
 def _parse(found, parse):
     if found is None or not isinstance(found.value, dict):
         return []
@@ -104,7 +117,7 @@ def _parse(found, parse):
     for subkey, item in found.value.items():
         try:
             records.append(parse(str(subkey), item.value))
-        except (RecordError, TypeError) as e:
+        except (RecordError, TypeError, ValueError) as e:
             log.debug("ignoring malformed record from %s: %s", subkey, e)
     return records
 

@@ -17,6 +17,7 @@ from swarm.config import NetConfig
 from swarm.core.joining import judge_clock, judge_reachability
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
+from swarm.net.protocol import bound_stream_messages
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     """A running DHT peer, its processes tied to this one's life (see `swarm.net.lifeline`; start it from
     the main thread, whose exit ends them). Client-mode peers (trainers, `swarm status`) reach others but
     are not reachable, which is what lets them work from behind a NAT."""
+    bound_stream_messages()
     try:
         return TiedDHT(
             initial_peers=list(net.initial_peers),

@@ -14,7 +14,9 @@ of each role that cross the wire (`Traffic`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,13 +24,17 @@ from typing import Any, TypeVar
 
 import msgpack
 import torch
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.wire import codecs
 from swarm.wire.validate import BadRequest
 
+log = logging.getLogger(__name__)
 CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024  # a little under the 4 MiB cap, leaving room for framing
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # a stream message declaring more is cut off before it is read
+MAX_TENSORS = 1 << 14  # tensors (and raw parts) one payload may carry: a stage's state has a few per layer
 INLINE_META_BYTES = 32 * 1024  # metadata up to this size shares the first message with a tensor part
 WIRE_KEY = "_wire"  # the metadata entry that describes the tensors
 META_ROLE = "meta"  # where the bytes of the metadata itself are counted
@@ -117,6 +123,8 @@ async def decode(
                 if part.dtype and current:
                     _collect(current, raw, sizes)
                     current = []
+                    if len(raw) >= MAX_TENSORS:
+                        raise BadRequest(f"payload carries more than {MAX_TENSORS} tensor parts")
                 current.append(part)
     with _garbage_is_bad_request():
         if current:
@@ -142,8 +150,9 @@ def _unpack(
     """The tensors the raw parts encode, as the metadata describes them."""
     if wire is None and not raw:
         return []
-    if not (isinstance(wire, list) and all(isinstance(e, dict) and isinstance(e.get("parts"), int)
-                                           and e["parts"] > 0 and isinstance(e.get("role"), str) for e in wire)):
+    if not (isinstance(wire, list) and len(wire) <= MAX_TENSORS
+            and all(isinstance(e, dict) and isinstance(e.get("parts"), int) and e["parts"] > 0
+                    and isinstance(e.get("role"), str) for e in wire)):
         raise BadRequest("malformed payload: the tensors' description is missing or malformed")
     if sum(e["parts"] for e in wire) != len(raw):
         raise BadRequest(f"malformed payload: {len(raw)} tensor parts for a description of "
@@ -200,3 +209,24 @@ def _garbage_is_bad_request() -> Iterator[None]:
         raise
     except Exception as e:
         raise BadRequest(f"malformed payload: {type(e).__name__}: {e}") from e
+
+
+def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
+    """Make hivemind refuse any stream message that declares more than `limit` bytes, before reading it.
+
+    hivemind reads each message of a stream whole, whatever length its 8-byte header declares, so one
+    header could make a peer allocate gigabytes. Every message this protocol sends is under `CHUNK_BYTES`
+    plus framing; a longer one ends its stream (both directions: requests served and replies read)."""
+    if getattr(P2P.receive_raw_data, "bounded", None) == limit:
+        return
+
+    async def receive_raw_data(reader: asyncio.StreamReader) -> bytes:
+        header = await reader.readexactly(P2P.HEADER_LEN)
+        length = int.from_bytes(header, P2P.BYTEORDER)
+        if length > limit:
+            log.warning("stream message of %d bytes cut off (limit %d)", length, limit)
+            raise asyncio.IncompleteReadError(b"", length)
+        return await reader.readexactly(length)
+
+    receive_raw_data.bounded = limit
+    P2P.receive_raw_data = staticmethod(receive_raw_data)

@@ -54,7 +54,10 @@ class StageClient:
         tensors: Sequence[Item],
         timeout: float,
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        try:
+            stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        except Exception as e:  # a peer id read from a record can be garbage
+            raise CallFailed(f"{method}: {peer_id[:60]!r} is not a peer id", refused=True) from e
 
         async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
             if self.delay:

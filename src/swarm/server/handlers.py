@@ -26,7 +26,14 @@ from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.replies import Reply, ReplyCache
 from swarm.server.stage import ServedStage
 from swarm.wire.calls import LedgerQuery, StageCall, StageQuery
-from swarm.wire.validate import BadRequest, TensorSpec, Unavailable, check_same_batch, check_tensor
+from swarm.wire.validate import (
+    BadRequest,
+    TensorSpec,
+    Unavailable,
+    check_norm,
+    check_same_batch,
+    check_tensor,
+)
 
 log = logging.getLogger("swarm.server")
 
@@ -99,17 +106,20 @@ class StageHandlers:
 
     # ---- checks on tensors -------------------------------------------------------------------
 
+    def _check_inputs(self, st: ServedStage, x: torch.Tensor) -> None:
+        check_tensor("inputs", x, st.in_spec, self.server.max_request_samples, self.server.max_activation)
+
     def _check_forward(self, st: ServedStage, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         limit = self.server.max_request_samples
         if not st.runtime.is_last:
             if len(tensors) != 1:
                 raise BadRequest(f"forward takes one tensor, got {len(tensors)}")
-            check_tensor("inputs", tensors[0], st.in_spec, limit)
+            self._check_inputs(st, tensors[0])
             return tensors[0], None
         if len(tensors) != 2:
             raise BadRequest(f"the last stage takes (inputs, targets), got {len(tensors)} tensors")
         x, targets = tensors
-        check_tensor("inputs", x, st.in_spec, limit)
+        self._check_inputs(st, x)
         check_tensor("targets", targets, TensorSpec(torch.int64, x.shape[1:2], self.model.vocab_size), limit)
         check_same_batch(("inputs", x), ("targets", targets))
         return x, targets
@@ -120,8 +130,9 @@ class StageHandlers:
         if len(tensors) != 2:
             raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
         x, dy = tensors
-        check_tensor("inputs", x, st.in_spec, self.server.max_request_samples)
+        self._check_inputs(st, x)
         check_tensor("grad_outputs", dy, st.out_spec, self.server.max_request_samples)
+        check_norm("grad_outputs", dy, self.server.max_grad_norm)
         check_same_batch(("inputs", x), ("grad_outputs", dy))
         return x, dy
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.allreduce import StageAllReduce
+from swarm.averaging.allreduce import Bounds, StageAllReduce
 from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.exiting import STOP_MARGIN, on_stop_signals
@@ -161,7 +161,9 @@ class StageServer:
         name = self._results_name(index)
         transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout,
                                  self.keeper.local)
-        allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal)
+        bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples)
+        allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal,
+                                   bounds)
         stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,
                           allreduce, announcer, transfer, self.results, f"{name}.steps.jsonl", self.rng)
         mover = Mover(st, peer.peer_id, cfg.server.name, self.hash, cfg.model.num_stages, cfg.rebalance,

@@ -77,7 +77,6 @@ class StageRuntime:
         self.recomputed_backwards = 0
         self.version = 0  # changes of the weights: steps, local updates, averaging rounds
         self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
-        # async: the averaged tensors as the last round left them (bit-identical on every replica)
         # async: the averaged state as the last round left it (bit-identical on every replica)
         self.averaging = Anchor(self.averaged_tensors, self.unshare) if self.asynchronous else None
         self.lent = Lender()  # the state's tensors as `state` handed them out (see unshare)
@@ -107,9 +106,8 @@ class StageRuntime:
     # ---- compute -------------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return contextlib.nullcontext() if self.autocast_dtype is None else torch.autocast(
+            self.device.type, dtype=self.autocast_dtype)
 
     def _leaf(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device)
@@ -274,13 +272,13 @@ class StageRuntime:
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.clip_grad_norm or math.inf))
-        self.unshare()
-        lr = self.lr()
-        for group_ in self.optimizer.param_groups:
-            group_["lr"] = lr
-        self.optimizer.step()
+        if math.isfinite(norm):  # else the weights would become NaN: no update (every replica sees the same mean)
+            self.unshare()
+            for group_ in self.optimizer.param_groups:
+                group_["lr"] = self.lr()
+            self.optimizer.step()
+            self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
         return norm
 
     def lr(self) -> float:

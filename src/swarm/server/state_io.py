@@ -61,15 +61,46 @@ def export_state(rt: StageRuntime) -> tuple[dict, list[torch.Tensor]]:
     return meta, tensors
 
 
-def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
-    names, opt_keys = meta["names"], meta["opt_keys"]
+def check_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
+    """Everything a state must be before any of it is applied (it comes from another peer, or from a disk
+    another process wrote): a ValueError says what is wrong, and the stage is left as it was."""
+    if not isinstance(meta, dict):
+        raise ValueError("state description is not a map")
+    names, opt_keys, epoch, ledger = (meta.get(k) for k in ("names", "opt_keys", "epoch", "ledger"))
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError(f"state epoch {epoch!r} is not a count of steps")
+    own = rt.module.state_dict()
+    if not isinstance(names, list) or names != list(own):
+        raise ValueError("state names other tensors than this stage has")
+    if not (isinstance(opt_keys, list) and all(isinstance(k, list) and len(k) == 2 and isinstance(k[0], int)
+                                                and 0 <= k[0] < len(rt.params) and isinstance(k[1], str)
+                                                for k in opt_keys)):
+        raise ValueError("state's optimizer entries are malformed")
     if len(tensors) != len(names) + len(opt_keys):
         raise ValueError(f"state has {len(tensors)} tensors, expected {len(names) + len(opt_keys)}")
-    if "digest" in meta:  # the parameters' checksum, checked before anything is loaded
+    for name, t in zip(names, tensors, strict=False):
+        if t.shape != own[name].shape or t.dtype != own[name].dtype:
+            raise ValueError(f"state's {name} is {t.dtype} {list(t.shape)}, the stage's {own[name].dtype} "
+                             f"{list(own[name].shape)}")
+    for (index, key), t in zip(opt_keys, tensors[len(names):], strict=True):
+        if t.numel() != 1 and t.shape != rt.params[index].shape:
+            raise ValueError(f"state's optimizer {key} of parameter {index} has shape {list(t.shape)}")
+    if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+        raise ValueError("state holds NaN or Inf")
+    if ledger is not None and not (isinstance(ledger, list) and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], list)
+            and all(isinstance(i, str) for i in e[1]) for e in ledger)):
+        raise ValueError("state's ledger is malformed")
+    if "digest" in meta:  # the parameters' checksum
         sent = dict(zip(names, tensors, strict=False))
-        trainable = [sent.get(n) for n, p in rt.module.named_parameters() if p.requires_grad]
-        if any(t is None for t in trainable) or digest(trainable) != meta["digest"]:
+        trainable = [sent[n] for n, p in rt.module.named_parameters() if p.requires_grad]
+        if digest(trainable) != meta["digest"]:
             raise ValueError(f"state checksum mismatch: expected {meta['digest']}")
+
+
+def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
+    check_state(rt, meta, tensors)
+    names, opt_keys = meta["names"], meta["opt_keys"]
     rt.unshare()
     rt.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
     opt_state = rt.optimizer.state_dict()

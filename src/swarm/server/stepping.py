@@ -63,9 +63,13 @@ class Stepper:
         self.results, self.steps_file = results, steps_file
         self.rng = rng
         self._trainers_read: tuple[float, list[TrainerRecord]] = (-math.inf, [])
+        self._failures = 0  # rounds failed in a row, for the backoff
 
     async def loop(self) -> None:
-        st, failures = self.stage, 0
+        """Look, and act on what the plan says, until cancelled. An error, wherever it comes from (the
+        handling of a failed round included), is logged and the loop goes on: a stage must not stop
+        stepping because one look went wrong."""
+        st = self.stage
         while True:
             try:
                 await asyncio.wait_for(st.wake.wait(), timeout=LOOK_EVERY)
@@ -73,26 +77,31 @@ class Stepper:
                 pass
             st.wake.clear()
             try:
-                decision, records = await self._look()
-                if isinstance(decision, CatchUp):
-                    await self.transfer.download([r for r in records if r.peer_id in decision.sources])
-                elif isinstance(decision, Step):
-                    await self._step(st.runtime.epoch, decision.group)
-                    failures = 0
-            except WeightsDiverged as e:
-                await self._resolve_divergence(e)
-            except RoundFailed as e:
-                failures += 1
-                st.counters["failed_rounds"] += 1
-                # left out of the next groups until their records expire
-                st.plan = suspect(st.plan, e.unreachable, time.monotonic() + self.net.record_ttl, st.runtime.epoch)
-                log.warning("stage %d step %d round failed (%s); retrying", st.index, st.runtime.epoch + 1, e)
-                await asyncio.sleep(backoff_delay(failures, 0.2, 3.0, self.rng))
+                await self._look_and_act()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("step loop error")
                 await asyncio.sleep(1.0)
+
+    async def _look_and_act(self) -> None:
+        st = self.stage
+        try:
+            decision, records = await self._look()
+            if isinstance(decision, CatchUp):
+                await self.transfer.download([r for r in records if r.peer_id in decision.sources])
+            elif isinstance(decision, Step):
+                await self._step(st.runtime.epoch, decision.group)
+                self._failures = 0
+        except WeightsDiverged as e:
+            await self._resolve_divergence(e)
+        except RoundFailed as e:
+            self._failures += 1
+            st.counters["failed_rounds"] += 1
+            # left out of the next groups until their records expire
+            st.plan = suspect(st.plan, e.unreachable, time.monotonic() + self.net.record_ttl, st.runtime.epoch)
+            log.warning("stage %d step %d round failed (%s); retrying", st.index, st.runtime.epoch + 1, e)
+            await asyncio.sleep(backoff_delay(self._failures, 0.2, 3.0, self.rng))
 
     async def _look(self) -> tuple[Decision, list[ServerRecord]]:
         """Gather the view, ask the plan, remember what it says to remember."""
@@ -143,6 +152,9 @@ class Stepper:
         else:
             log.info("stage %d step %d: %d samples from %d replica(s), lr %.2e, grad norm %.3f",
                      st.index, record.epoch, record.samples, record.group, record.lr, record.grad_norm)
+        if not math.isfinite(record.grad_norm):
+            log.error("stage %d step %d: the gradient was not finite, so the weights were left as they were",
+                      st.index, record.epoch)
         await self.announcer.announce()
         if st.checkpoints is not None and record.epoch % self.checkpoint_every == 0:
             await self.transfer.checkpoint()

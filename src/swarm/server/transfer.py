@@ -48,7 +48,11 @@ class StateTransfer:
                 log.warning("state download from %s failed: %s", short(source.peer_id), e)
                 continue
             async with self.gate.lock:
-                if int(meta.get("epoch", -1)) < st.runtime.epoch + (0 if force else 1):
+                epoch = meta.get("epoch")
+                if not isinstance(epoch, int) or isinstance(epoch, bool):
+                    log.warning("state from %s is unusable: epoch %r", short(source.peer_id), epoch)
+                    continue
+                if epoch < st.runtime.epoch + (0 if force else 1):
                     return False
                 lost = st.runtime.pending_samples
                 try:

@@ -28,6 +28,8 @@ from swarm.wire.validate import BadRequest
 
 CODECS = ("none", "fp16", "bf16", "uint8", "blockwise8")
 DEFAULT_BLOCK = 256
+MAX_BLOCK = 1 << 16  # a larger block declared by a sender is refused: it would only buy it memory
+MAX_DIMS = 8  # dimensions a tensor's declared shape may have
 _FP16_MAX = 65504.0
 # every dtype that may cross the wire, by the name it travels under
 DTYPES = {
@@ -99,7 +101,8 @@ def decode(packed: Packed) -> torch.Tensor:
         _expect(len(parts) == 1, f"codec none carries one tensor, got {len(parts)}")
         return parts[0]
     shape, dtype = meta.get("shape"), DTYPES.get(meta.get("dtype"))
-    _expect(isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape), f"bad shape {shape!r}")
+    _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape), f"bad shape {shape!r}")
     _expect(dtype is not None and dtype.is_floating_point, f"bad dtype {meta.get('dtype')!r}")
     numel = math.prod(shape)
     wanted = {"fp16": [torch.float16], "bf16": [torch.bfloat16], "uint8": [torch.uint8],
@@ -115,12 +118,13 @@ def decode(packed: Packed) -> torch.Tensor:
         flat = parts[0].float() * step + lo
     else:
         block, scales = meta.get("block"), parts[1]
-        _expect(isinstance(block, int) and block > 0, f"bad block size {block!r}")
+        _expect(isinstance(block, int) and not isinstance(block, bool) and 0 < block <= MAX_BLOCK,
+                f"block size {block!r} outside [1, {MAX_BLOCK}]")
         _expect(scales.dim() == 1 and scales.numel() == -(-numel // block),
                 f"blockwise8 needs {-(-numel // block)} scales, got {scales.numel()}")
         _expect(bool(torch.isfinite(scales).all() and (scales >= 0).all()), "blockwise8 scales must be finite and >= 0")
-        padded = torch.nn.functional.pad(parts[0].float(), (0, -numel % block)).view(-1, block)
-        flat = (padded * (scales / 127).unsqueeze(1)).view(-1)[:numel]
+        # each value times its block's scale, without padding to whole blocks: memory stays that of the values
+        flat = parts[0].float().mul_((scales / 127).repeat_interleave(block)[:numel])
     return flat.view(shape).to(dtype)
 
 

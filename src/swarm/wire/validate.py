@@ -33,7 +33,8 @@ class TensorSpec:
         return f"{self.dtype} [B, {', '.join(map(str, self.sample_shape))}]"
 
 
-def check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec, max_batch: int) -> None:
+def check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec, max_batch: int, max_abs: float = 0.0) -> None:
+    """`max_abs`: the largest magnitude a float value may have (0: any finite value)."""
     if tensor.dtype != spec.dtype:
         raise BadRequest(f"{name}: expected dtype {spec.dtype}, got {tensor.dtype}")
     if tensor.dim() != len(spec.sample_shape) + 1 or tuple(tensor.shape[1:]) != spec.sample_shape:
@@ -43,6 +44,8 @@ def check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec, max_batch: i
     if tensor.is_floating_point():
         if not torch.isfinite(tensor).all():
             raise BadRequest(f"{name}: contains NaN or Inf")
+        if max_abs and tensor.numel() and (largest := float(tensor.abs().max())) > max_abs:
+            raise BadRequest(f"{name}: a value of magnitude {largest:.3g} exceeds the bound of {max_abs:.3g}")
     elif spec.max_value is not None and tensor.numel() and (tensor.min() < 0 or tensor.max() >= spec.max_value):
         raise BadRequest(f"{name}: ids must lie in [0, {spec.max_value})")
 
@@ -52,3 +55,10 @@ def check_same_batch(*named: tuple[str, torch.Tensor]) -> int:
     if len(set(sizes.values())) != 1:
         raise BadRequest(f"batch sizes differ: {sizes}")
     return next(iter(sizes.values()))
+
+
+def check_norm(name: str, tensor: torch.Tensor, bound: float) -> None:
+    """Refuse a tensor whose L2 norm exceeds `bound` (0: no bound): one peer's finite but huge gradient
+    would otherwise swamp the stage's step, or overflow it."""
+    if bound and (norm := float(torch.linalg.vector_norm(tensor, dtype=torch.float64))) > bound:
+        raise BadRequest(f"{name}: norm {norm:.3g} exceeds the bound of {bound:.3g}")
