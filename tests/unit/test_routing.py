@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -13,6 +14,7 @@ from swarm.core.routing import (
     SmoothWeightedRoundRobin,
     choose_server,
     routing_weight,
+    throughput_cap,
     unmeasured_throughput,
 )
 
@@ -106,3 +108,14 @@ def test_wrr_survives_candidate_set_change():
         assert abs(picks[c.peer_id] - 100 * c.throughput / 10) <= 2, picks
     assert wrr.pick(second, banned={"b", "c", "d"}) is None
     assert wrr.pick([Candidate("b", 1.0), Candidate("e", 1.0)]) in {"b", "e"}
+
+
+def test_a_huge_announced_throughput_buys_a_bounded_share() -> None:
+    """A peer announcing 10^9 samples/s beside an honest server at 20 is credited with 4 x 20 at most: it
+    gets ~80% of the picks, not all of them (and failing calls get it banned besides)."""
+    rng = random.Random(0)
+    candidates = [Candidate("honest", 20.0), Candidate("liar", 1e9)]
+    assert throughput_cap(candidates) == 80.0
+    picks = [choose_server(candidates, rng) for _ in range(4000)]
+    assert 0.75 < picks.count("liar") / len(picks) < 0.85
+    assert throughput_cap([Candidate("alone", 1e9)]) == math.inf  # nothing to compare with

@@ -14,6 +14,7 @@ from swarm.core.stepping import (
     accept_proposal,
     plan_step,
     suspect,
+    unproven,
 )
 
 GRACE = 4.0
@@ -122,3 +123,19 @@ def test_a_proposal_is_accepted_only_for_our_epoch_with_us_and_everyone_we_know_
     assert not accept_proposal(memory, "me", 3, 3, ("me", "outsider"))
     # nor can anyone before our plan has looked at this epoch
     assert not accept_proposal(PlanMemory(), "me", 3, 3, ("b", "c", "me"))
+
+
+def test_an_epoch_claim_that_gave_no_state_stops_holding_the_stage_back_until_the_record_moves():
+    """A forged record at epoch 10^9 made every replica try to catch up, look after look, and never step.
+    Once its download failed, its claim is set aside; a record that moves on (a real replica stepping)
+    counts again at once, and so does one whose time ran out."""
+    liar = Replica("liar", 10**9, 0)
+    (decision,), memory = looks(view(0.0, liar, pending=32))
+    assert decision == CatchUp(("liar",))
+    memory = unproven(memory, {"liar": 10**9}, until=10.0)
+    decisions, memory = looks(view(1.0, liar, pending=32), memory=memory)
+    assert decisions == [Step(("me",))]
+    (moved,), _ = looks(view(2.0, Replica("liar", 10**9 + 1, 0), pending=32), memory=memory)
+    assert moved == CatchUp(("liar",))
+    (expired,), _ = looks(view(11.0, liar, pending=32), memory=memory)
+    assert expired == CatchUp(("liar",))

@@ -236,15 +236,23 @@ def test_finite_but_huge_values_are_refused_by_the_bounds() -> None:
 
 
 def test_a_record_whose_subkey_is_no_peer_id_is_dropped_and_the_rest_read() -> None:
-    """A forged subkey once crashed whoever tried to call it; now the read leaves it out."""
+    """A forged subkey once crashed whoever tried to call it; now the read leaves it out, and also a
+    record set to live far longer than a server record does."""
     from types import SimpleNamespace
 
-    from hivemind.p2p import PeerID
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from hivemind.utils import get_dht_time
 
     from swarm.net.directory import _by_peer, _parse
+    from swarm.net.identity import peer_id_of
 
-    good = PeerID.from_base58("QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco").to_base58()
-    value = server_record().to_value()
-    found = SimpleNamespace(value={good: SimpleNamespace(value=value), "not a peer": SimpleNamespace(value=value)})
-    records = _parse(found, _by_peer(ServerRecord.from_value))
+    good, late = (peer_id_of(Ed25519PrivateKey.generate().public_key()) for _ in range(2))
+    value, soon = server_record().to_value(), get_dht_time() + 5
+    found = SimpleNamespace(value={
+        good: SimpleNamespace(value=value, expiration_time=soon),
+        "not a peer": SimpleNamespace(value=value, expiration_time=soon),
+        "QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco": SimpleNamespace(value=value, expiration_time=soon),
+        late: SimpleNamespace(value=value, expiration_time=soon + 10**6),
+    })
+    records = _parse(found, _by_peer(ServerRecord.from_value), max_lifetime=60)
     assert [r.peer_id for r in records] == [good]

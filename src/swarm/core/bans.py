@@ -49,3 +49,7 @@ class BanList:
         """Peers banned at `now`; expired bans are dropped here (failure counts stay until forgiven)."""
         self._until = {p: t for p, t in self._until.items() if t > now}
         return set(self._until)
+
+    def failing(self) -> set[str]:
+        """Peers whose last call failed (banned now or not): what they announce is not to be relied on."""
+        return set(self._failures)

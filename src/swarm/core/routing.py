@@ -21,6 +21,9 @@ from dataclasses import dataclass
 
 # Keeps every weight positive so a pool never has zero total weight, whatever a server announced.
 _MIN_WEIGHT = 1e-9
+# An announced throughput counts for at most this many times the stage's (lower) median: a server that
+# announces a billion samples/s gets a bounded share, not all the traffic. Real servers rarely differ more.
+MAX_THROUGHPUT_RATIO = 4.0
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,17 @@ def unmeasured_throughput(candidates: Sequence[Candidate]) -> float:
     return statistics.median(measured) if measured else 1.0
 
 
-def routing_weight(c: Candidate, unmeasured: float = 1.0) -> float:
-    """Throughput discounted by load; `unmeasured` stands in for a throughput of 0 (or a bogus one)."""
-    rate = c.throughput if _is_measured(c.throughput) else unmeasured
+def throughput_cap(candidates: Sequence[Candidate]) -> float:
+    """The most throughput one server of the stage is credited with (see MAX_THROUGHPUT_RATIO). The lower
+    median: with two servers, the honest one's figure bounds the other's."""
+    measured = [c.throughput for c in candidates if _is_measured(c.throughput)]
+    return MAX_THROUGHPUT_RATIO * statistics.median_low(measured) if len(measured) > 1 else math.inf
+
+
+def routing_weight(c: Candidate, unmeasured: float = 1.0, cap: float = math.inf) -> float:
+    """Throughput (at most `cap`) discounted by load; `unmeasured` stands in for a throughput of 0 (or a
+    bogus one)."""
+    rate = min(c.throughput, cap) if _is_measured(c.throughput) else unmeasured
     return max(rate, _MIN_WEIGHT) / (1 + max(c.queue, 0) + max(c.inflight, 0))
 
 
@@ -56,8 +67,8 @@ def choose_server(
     pool = [c for c in candidates if c.peer_id not in banned]
     if not pool:
         return None
-    default = unmeasured_throughput(pool)
-    weights = [routing_weight(c, default) for c in pool]
+    default, cap = unmeasured_throughput(pool), throughput_cap(pool)
+    weights = [routing_weight(c, default, cap) for c in pool]
     return rng.choices(pool, weights=weights)[0].peer_id
 
 
@@ -78,10 +89,10 @@ class SmoothWeightedRoundRobin:
         self._credit = {p: v for p, v in self._credit.items() if p in present}
         if not pool:
             return None
-        default = unmeasured_throughput(pool)
+        default, cap = unmeasured_throughput(pool), throughput_cap(pool)
         total = 0.0
         for c in pool:
-            weight = routing_weight(c, default)
+            weight = routing_weight(c, default, cap)
             self._credit[c.peer_id] = self._credit.get(c.peer_id, 0.0) + weight
             total += weight
         best = max(pool, key=lambda c: self._credit[c.peer_id]).peer_id

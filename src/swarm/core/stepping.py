@@ -60,6 +60,8 @@ class PlanMemory:
     alone_since: float = math.inf  # since when no other replica has been in view
     behind_since: Mapping[str, float] = field(default_factory=dict)  # peer -> since when it looks behind
     peers_at_epoch: tuple[int, frozenset[str]] = (-1, frozenset())  # replicas last seen at our epoch
+    # peers whose state could not be had (download failed, or unusable): peer -> (until, epoch it claimed)
+    unproven: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,11 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     elif alone_since == math.inf:  # no need to wait for replicas we know of but cannot reach
         alone_since = now - (math.inf if view.others else 0.0)
     memory = replace(memory, suspects=suspects, alone_since=alone_since)
-    ahead = sorted((r for r in view.others if r.epoch > view.epoch), key=lambda r: -r.epoch)
-    if ahead:  # a suspect further along still proves us behind
+    unproven = {p: (until, e) for p, (until, e) in memory.unproven.items() if until > now and epochs.get(p) == e}
+    memory = replace(memory, unproven=unproven)
+    # a suspect further along still proves us behind; a peer whose claimed epoch gave us no state does not
+    ahead = sorted((r for r in view.others if r.epoch > view.epoch and r.peer not in unproven), key=lambda r: -r.epoch)
+    if ahead:
         return CatchUp(tuple(r.peer for r in ahead)), memory
     peers = {r.peer: r.pending for r in in_view if r.epoch == view.epoch}
     memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)))
@@ -132,6 +137,12 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
 def suspect(memory: PlanMemory, peers: Iterable[str], until: float, epoch: int) -> PlanMemory:
     """Peers that failed a round of ours at `epoch`: left out of the next groups until `until`."""
     return replace(memory, suspects={**memory.suspects, **{p: (until, epoch) for p in peers}})
+
+
+def unproven(memory: PlanMemory, claims: Mapping[str, int], until: float) -> PlanMemory:
+    """Peers that announced an epoch ahead of ours but gave no usable state for it: their claim does not
+    make us wait to catch up until `until`, unless their record moves on (a real replica steps on)."""
+    return replace(memory, unproven={**memory.unproven, **{p: (until, e) for p, e in claims.items()}})
 
 
 def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> bool:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from hivemind import DHT
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.core.dataplan import Claim
+from swarm.net.identity import public_key_of
 from swarm.wire.records import (
     BackupRecord,
     RecordError,
@@ -27,6 +28,7 @@ from swarm.wire.records import (
 )
 
 log = logging.getLogger(__name__)
+CLOCK_SLACK = 10.0  # seconds by which peers' clocks may differ (the DHT's time is each peer's own)
 
 
 class Directory:
@@ -51,7 +53,8 @@ class Directory:
     async def stage(self, stage: int) -> list[ServerRecord]:
         """Live servers of one stage, malformed and withdrawn entries dropped."""
         found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
-        return [r for r in _parse(found, _by_peer(ServerRecord.from_value)) if not r.gone and r.stage == stage]
+        parse = _by_peer(ServerRecord.from_value)
+        return [r for r in _parse(found, parse, self.ttl + CLOCK_SLACK) if not r.gone and r.stage == stage]
 
     async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
         """All stages, read at once: a read that waits on an unresponsive DHT node delays the view once,
@@ -99,22 +102,26 @@ class Directory:
 
 
 def _by_peer(parse):
-    """`parse` for records whose subkey names their writer: a subkey that is no peer id is malformed (a
-    call to it could not even be addressed)."""
+    """`parse` for records whose subkey names their writer: a subkey that is no peer id whose key signs
+    records (see swarm.net.identity; the DHT checked the signature) is malformed, and a call to it could
+    not even be addressed."""
     def checked(subkey: str, value):
-        try:
-            PeerID.from_base58(subkey)
-        except Exception as e:
-            raise RecordError(f"subkey {subkey[:60]!r} is not a peer id") from e
+        if public_key_of(subkey) is None:
+            raise RecordError(f"subkey {subkey[:60]!r} is not a peer id")
         return parse(subkey, value)
     return checked
 
 
-def _parse(found, parse):
+def _parse(found, parse, max_lifetime: float = math.inf):
+    """The well-formed records of a dictionary value; those set to outlive `max_lifetime` are ignored (a
+    server record that would stay in view long after its writer died)."""
     if found is None or not isinstance(found.value, dict):
         return []
-    records = []
+    records, latest = [], get_dht_time() + max_lifetime
     for subkey, item in found.value.items():
+        if item.expiration_time > latest:
+            log.debug("ignoring record %s: it expires too late", str(subkey)[:60])
+            continue
         try:
             records.append(parse(str(subkey), item.value))
         except (RecordError, TypeError, ValueError) as e:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import hivemind
 from hivemind.p2p import P2P
@@ -15,6 +17,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetConfig
 from swarm.core.joining import judge_clock, judge_reachability
+from swarm.net.identity import PeerSignatures, load_or_create, temporary_identity
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
 from swarm.net.protocol import bound_stream_messages
@@ -37,12 +40,18 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     the main thread, whose exit ends them). Client-mode peers (trainers, `swarm status`) reach others but
     are not reachable, which is what lets them work from behind a NAT."""
     bound_stream_messages()
+    if net.identity_path:
+        path, key = Path(net.identity_path), load_or_create(Path(net.identity_path))
+    else:
+        path, key = temporary_identity()
     try:
         return TiedDHT(
             initial_peers=list(net.initial_peers),
             host_maddrs=[listen_address(net)],
             announce_maddrs=list(net.announce_addrs) or None,
-            identity_path=net.identity_path or None,
+            identity_path=str(path),
+            check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
+            record_validators=[PeerSignatures(key)],
             use_relay=net.use_relay,
             use_auto_relay=net.use_auto_relay,
             client_mode=client_mode,
@@ -51,6 +60,9 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     except P2PDaemonError as e:
         peers = ", ".join(net.initial_peers) or "none given"
         raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e
+    finally:
+        if not net.identity_path:  # the daemon has read it (or failed): the key stays in memory only
+            shutil.rmtree(path.parent, ignore_errors=True)
 
 
 def visible_addresses(dht: hivemind.DHT) -> list[str]:

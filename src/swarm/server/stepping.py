@@ -30,6 +30,7 @@ from swarm.core.stepping import (
     StepView,
     plan_step,
     suspect,
+    unproven,
 )
 from swarm.net.directory import Directory, short
 from swarm.results import PeerResults
@@ -89,7 +90,15 @@ class Stepper:
         try:
             decision, records = await self._look()
             if isinstance(decision, CatchUp):
-                await self.transfer.download([r for r in records if r.peer_id in decision.sources])
+                sources = [r for r in records if r.peer_id in decision.sources]
+                loaded = await self.transfer.download(sources)
+                if not loaded and sources and all(r.epoch > st.runtime.epoch for r in sources):
+                    # none gave a state for the epoch it announces: until their records move on, their claims
+                    # do not hold this replica back (a forged record would otherwise stop the stage for good)
+                    st.plan = unproven(st.plan, {r.peer_id: r.epoch for r in sources},
+                                       time.monotonic() + self.net.record_ttl)
+                    log.warning("stage %d: no state to be had from %s at the epoch announced; stepping on",
+                                st.index, ", ".join(short(r.peer_id) for r in sources))
             elif isinstance(decision, Step):
                 await self._step(st.runtime.epoch, decision.group)
                 self._failures = 0

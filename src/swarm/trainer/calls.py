@@ -53,6 +53,7 @@ class _Attempts:
     repeat: str | None = None  # the server to repeat the call on (its connection broke)
     prefer: str | None = None  # the server to try first (the backward goes where the forward ran)
     holder: tuple[str, int] | None = None  # (server, epoch) of an unanswered accumulating call
+    refusals: int = 0  # servers that refused it
 
 
 class StageCaller:
@@ -124,7 +125,8 @@ class StageCaller:
         timeout = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
                                                       tc.request_timeout)
         deadline = time.time() + timeout + tc.request_timeout / 2
-        return StageCall(req, stage, self.hash, self.view.live_epoch(stage), timeout, deadline, accumulate)
+        epoch = self.view.live_epoch(stage, ignore=self.bans.failing())
+        return StageCall(req, stage, self.hash, epoch, timeout, deadline, accumulate)
 
     async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[torch.Tensor]):
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
@@ -165,10 +167,17 @@ class StageCaller:
     async def _after_failure(self, stage: int, method: str, peer: str, call: StageCall, error: CallFailed,
                              tried: _Attempts, waited: float) -> None:
         """Decide where the next attempt goes, and back off before it."""
-        if error.refused:
-            raise MicrobatchFailed(f"stage {stage} refused the request: {error}") from error
         self.retries += 1
         tried.count += 1
+        if error.refused:  # not applied: another server may take it; a server that refuses is banned all the same
+            tried.refusals += 1
+            self.bans.ban(peer, time.monotonic())
+            if tried.refusals >= self.tc.max_attempts or len(self.view.servers[stage]) <= tried.refusals:
+                raise MicrobatchFailed(f"stage {stage} refused the request: {error}") from error
+            log.info("stage %d %s refused by %s (%s); trying another server", stage, method, short(peer), error)
+            tried.repeat, tried.prefer = None, None
+            await asyncio.sleep(backoff_delay(min(tried.count, 6), 0.05, 2.0, self.rng))
+            return
         if not error.answered and not error.timed_out and tried.repeat is None:
             tried.repeat = peer
             log.info("stage %d %s on %s failed after %.1fs (%s); repeating it there", stage, method, short(peer),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Collection
 
 from swarm.config import describe_mismatch
 from swarm.net.directory import Directory, note_fresh_start, short
@@ -75,10 +76,12 @@ class SwarmView:
             self.stage_epoch[stage] = now
             self._at_top[stage] = {r.peer_id for r in usable if r.epoch == now}
 
-    def live_epoch(self, stage: int) -> int:
+    def live_epoch(self, stage: int, ignore: Collection[str] = ()) -> int:
         """The stage's epoch as its live replicas announce it: a replica behind it must not serve us.
-        (Not the highest epoch ever seen: a stage whose replicas all died restarts from a checkpoint.)"""
-        return max((r.epoch for r in self.servers[stage]), default=0)
+        (Not the highest epoch ever seen: a stage whose replicas all died restarts from a checkpoint.)
+        Servers in `ignore` (their last call from us failed or was refused) do not count: an epoch
+        announced by a peer that does not serve would make every replica that does look stale."""
+        return max((r.epoch for r in self.servers[stage] if r.peer_id not in ignore), default=0)
 
     def gone(self, stage: int, peer: str) -> bool:
         """Whether a server has been missing from the last two views of its stage (its record expired or
