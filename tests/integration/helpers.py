@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -149,3 +150,14 @@ def command(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+async def wait_for_stages(directory: Directory, num_stages: int, timeout: float) -> dict[int, str]:
+    """A server of each stage, once each has announced itself."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stages = await directory.stages(num_stages)
+        if all(stages.values()):
+            return {k: v[0].peer_id for k, v in stages.items()}
+        await asyncio.sleep(0.2)
+    raise TimeoutError("servers did not announce themselves")

@@ -17,19 +17,9 @@ from swarm.net.transport import CallFailed, StageClient
 from swarm.ops.local import LocalSwarm
 from swarm.wire.codecs import Packed
 
-from .helpers import small_config, tracebacks
+from .helpers import small_config, tracebacks, wait_for_stages
 
 pytestmark = pytest.mark.integration
-
-
-async def _wait_for_stages(directory: Directory, num_stages: int, timeout: float) -> dict[int, str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stages = await directory.stages(num_stages)
-        if all(stages.values()):
-            return {k: v[0].peer_id for k, v in stages.items()}
-        await asyncio.sleep(0.2)
-    raise TimeoutError("servers did not announce themselves")
 
 
 @pytest.mark.timeout(180)
@@ -76,7 +66,7 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
         dht = start_dht(small_config(tmp_path, peers_override).net, client_mode=True)
         try:
             client = StageClient(await dht.replicate_p2p())
-            peers = await _wait_for_stages(Directory(dht, cfg.net.run_id, cfg.net.record_ttl), 2, 90)
+            peers = await wait_for_stages(Directory(dht, cfg.net.run_id, cfg.net.record_ttl), 2, 90)
             errors = []
             for n, (stage, method, meta_over, tensors, expected) in enumerate(cases):
                 meta = {"req": f"bad{n}", "stage": stage, "config": good_hash, **meta_over}

@@ -15,6 +15,7 @@ from hivemind.proto import runtime_pb2
 from swarm.averaging.allreduce import Bounds, RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
 from swarm.net.protocol import decode, encode
 from swarm.net.transport import CallFailed
+from swarm.wire import codecs
 from swarm.wire.codecs import EXACT, Policy, error_bound
 from swarm.wire.validate import BadRequest
 
@@ -376,6 +377,55 @@ def test_a_poisoned_contribution_fails_the_round_at_once_and_names_its_sender(po
     for peer, outcome in zip(ids, outcomes, strict=True):
         if peer != "peerC":
             assert outcome.unreachable == frozenset({"peerC"}), outcome
+
+
+@pytest.mark.parametrize("answer", [float("nan"), 1e30])
+def test_an_owner_answering_poison_is_not_used_and_is_named(answer: float) -> None:
+    """peerC owns a part and answers every member with NaN, or with a mean no bounded contributions
+    could sum to: the honest members apply nothing and leave peerC out of their next groups."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 2, "peerB": 3, "peerC": 4}
+    flat = grads(samples, 30)
+    members = make_members(ids, bounds=Bounds(max_norm_per_sample=1e3))
+    honest_contribute = members["peerC"].contribute
+
+    async def poisoned(meta, tensors, sender):
+        reply, (packed,) = await honest_contribute(meta, tensors, sender)
+        return reply, [torch.full_like(codecs.decode(packed.value), answer)]
+
+    members["peerC"].contribute = poisoned
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids),
+                                    return_exceptions=True)
+
+    outcomes = run_all(main())
+    for peer, outcome in zip(ids[:2], outcomes, strict=False):
+        assert isinstance(outcome, RoundFailed) and outcome.unreachable == frozenset({"peerC"}), (peer, outcome)
+
+
+def test_clipped_aggregation_bounds_one_hostile_members_pull() -> None:
+    """Three replicas, one sending a finite gradient 100 times the others' scale (within the norm bound):
+    with the plain mean it dominates the step; clipped to twice the median, it counts as an honest one."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = dict.fromkeys(ids, 4)
+    flat = grads(dict.fromkeys(ids, 0), 1000)
+    flat["peerC"] = flat["peerC"] * 100
+    honest = (flat["peerA"] + flat["peerB"]) / 8
+
+    def step_with(clip: float) -> torch.Tensor:
+        members = make_members(ids, bounds=Bounds(max_norm_per_sample=1e6, clip_to_median=clip))
+
+        async def main() -> list[RoundResult]:
+            return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
+
+        results = run_all(main())
+        assert all(torch.equal(r.mean, results[0].mean) for r in results)  # the same bits everywhere
+        return results[0].mean
+
+    plain, clipped = step_with(0.0), step_with(2.0)
+    assert float((plain - honest).norm()) > 10 * float(honest.norm())
+    assert float((clipped - honest).norm()) < 1.5 * float(honest.norm())
 
 
 def test_a_contribution_claiming_more_samples_than_its_microbatches_hold_is_refused() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,9 @@ class Bounds:
 
     max_norm_per_sample: float = 0.0  # L2 norm of its part divided by its samples
     samples_per_id: int = 0  # samples per microbatch it lists
+    # robust aggregation: each contribution's norm per sample is clipped to this many times the group's
+    # median (0: the plain mean); with three or more members, one hostile member's pull is bounded
+    clip_to_median: float = 0.0
 
 
 class RoundFailed(Exception):
@@ -131,6 +135,22 @@ class _Contribution:
             raise BadRequest(f"{POISON} part from {short(sender)} has norm {norm:.3g} per sample, over the bound "
                              f"of {bounds.max_norm_per_sample:.3g}")
         return cls(sender, epoch, tuple(group), samples, ids, str(meta.get("digest", "")), part)
+
+
+def _answer_problem(tensors: list[torch.Tensor], size: int, samples: Any, ids: Any, max_norm: float) -> str | None:
+    if len(tensors) != 1:
+        return f"{len(tensors)} tensors"
+    mean = tensors[0]
+    if mean.numel() != size or mean.dtype != torch.float32:
+        return f"{mean.numel()} {mean.dtype} values for {size} float32"
+    if not bool(torch.isfinite(mean).all()):
+        return "NaN or Inf"
+    if max_norm and float(torch.linalg.vector_norm(mean)) > max_norm:
+        return "a mean over the bound"
+    if not (_is_int(samples) and samples >= 0 and isinstance(ids, list) and len(ids) <= MAX_IDS
+            and all(isinstance(i, str) for i in ids)):
+        return "a malformed sample count or id list"
+    return None
 
 
 def _is_int(value: Any) -> bool:
@@ -277,9 +297,18 @@ class StageAllReduce:
                         raise _Unreachable(owner, e) from e
                     log.info("reduce call to %s failed (%s); calling again", short(owner), e)
                     await asyncio.sleep(0.1)
-        if len(tensors) != 1:
-            raise RoundFailed(f"owner {short(owner)} sent {len(tensors)} tensors")
-        return tensors[0], int(reply["samples"]), list(reply.get("ids", []))
+        return self._check_answer(owner, part.numel(), reply, tensors)
+
+    def _check_answer(self, owner: str, size: int, reply: dict[str, Any], tensors: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, int, list[str]]:
+        """An owner's answer, as every member checks it before it is used: one finite float32 part of the
+        size asked for, within the bound a mean of bounded contributions cannot exceed, and a sample count
+        and id list of the right kinds. An owner that answers otherwise is left out of the next groups."""
+        samples, ids = reply.get("samples"), reply.get("ids", [])
+        problem = _answer_problem(tensors, size, samples, ids, self.bounds.max_norm_per_sample)
+        if problem is not None:
+            raise RoundFailed(f"owner {short(owner)} answered with {problem}", frozenset({owner}))
+        return tensors[0], samples, ids
 
     async def contribute(
         self, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str
@@ -337,9 +366,11 @@ class StageAllReduce:
         """Sum the members' parts in the group's order (the same bits whoever computes it), divide by the
         group's samples, pack once; merge the members' microbatch lists."""
         total_samples = sum(n for _, n, _ in rnd.contributions.values())
+        scales = self._clip_scales(rnd)
         mean = torch.zeros(rnd.size, dtype=torch.float32)
         for member in rnd.group:
-            mean += rnd.contributions[member][0]
+            part = rnd.contributions[member][0]
+            mean += part if scales[member] == 1.0 else part * scales[member]
         mean.div_(max(total_samples, 1))
         merged, twice = merge_ids([rnd.contributions[m][2] for m in rnd.group])
         if twice:
@@ -347,6 +378,18 @@ class StageAllReduce:
                       ", ".join(twice[:5]))
         rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
         rnd.complete.set()
+
+    def _clip_scales(self, rnd: _Round) -> dict[str, float]:
+        """How much each member's part counts (1: whole; see Bounds.clip_to_median)."""
+        norms = {m: float(torch.linalg.vector_norm(p)) / max(n, 1) for m, (p, n, _) in rnd.contributions.items()}
+        if not self.bounds.clip_to_median or len(norms) < 3:
+            return dict.fromkeys(norms, 1.0)
+        cap = self.bounds.clip_to_median * statistics.median(norms.values())
+        clipped = {m: min(1.0, cap / v) if v > 0 else 1.0 for m, v in norms.items()}
+        if any(s < 1.0 for s in clipped.values()):
+            log.info("stage %d: contributions of %s clipped to %.3g per sample", self.stage,
+                     ", ".join(short(m) for m, s in clipped.items() if s < 1.0), cap)
+        return clipped
 
     @staticmethod
     def _answer(result: tuple[codecs.Packed, int, list[str]]) -> tuple[dict[str, Any], list[Tagged]]:

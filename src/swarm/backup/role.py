@@ -21,6 +21,7 @@ from swarm.net.peer import join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import Reply, StageServicer
 from swarm.results import PeerResults
+from swarm.supervise import supervised
 from swarm.wire.calls import StageQuery
 from swarm.wire.validate import BadRequest, Unavailable
 
@@ -60,12 +61,12 @@ async def _serve(cfg: SwarmConfig) -> None:
                           peer.client, peer.directory, lambda: None, every_stage=True)
     started = time.time()
     try:
-        await JoinServicer(peer.p2p).add_p2p_handlers(peer.p2p)
+        await JoinServicer(peer.p2p, peer.secret).add_p2p_handlers(peer.p2p)
         handler = CopiesOnly(keeper, int(cfg.net.max_payload_mb * 2**20))
-        await StageServicer(handler, None, cfg.wire.policy(), traffic).add_p2p_handlers(peer.p2p)
+        await StageServicer(handler, None, cfg.wire.policy(), traffic, secret=peer.secret).add_p2p_handlers(peer.p2p)
         log.info("backup peer %s up on %s: holding every stage's state, refreshed every %d steps",
                  short(peer.peer_id), " ".join(visible_addresses(peer.dht)), cfg.backup.every)
-        keeping = asyncio.create_task(keeper.loop())
+        keeping = asyncio.create_task(supervised("backup", keeper.loop))
         try:
             await peer.guard(stop.wait())
         finally:

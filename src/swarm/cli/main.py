@@ -31,6 +31,7 @@ def _joining(p: argparse.ArgumentParser) -> None:
     p.add_argument("--announce", nargs="+", metavar="MULTIADDR",
                    help="addresses to announce instead, e.g. /ip4/PUBLIC_IP/tcp/PORT behind a port forward")
     p.add_argument("--identity", metavar="FILE", help="private key file: keeps this peer's id across restarts")
+    p.add_argument("--secret", metavar="FILE", help="a private swarm's shared secret: strangers are kept out")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -120,6 +121,7 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
         "port": ("net.port", str),
         "announce": ("net.announce_addrs", addresses),
         "identity": ("net.identity_path", lambda v: f'"{v}"'),
+        "secret": ("net.secret_path", lambda v: f'"{v}"'),
         "run_dir": ("run_dir", lambda v: f'"{v}"'),
         "data": ("data.path", lambda v: f'"{v}"'),
         "stage": ("server.stage", str),
@@ -160,6 +162,7 @@ def _status(cfg: SwarmConfig, as_json: bool, every: float | None) -> None:
 def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
     from swarm.net.join import JoinServicer
     from swarm.net.node import check_join, start_dht, visible_addresses
+    from swarm.net.secret import load_secret
 
     dht = start_dht(cfg.net)
     stop = asyncio.Event()
@@ -169,7 +172,8 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
         on_stop_signals(loop, stop.set, STOP_MARGIN, "bootstrap peer")
         p2p = await dht.replicate_p2p()
         await check_join(dht, p2p, cfg.net, serving=False)
-        await JoinServicer(p2p).add_p2p_handlers(p2p)  # newcomers greet it: clock and dial-back checks
+        # newcomers greet it: clock and dial-back checks
+        await JoinServicer(p2p, load_secret(cfg.net.secret_path)).add_p2p_handlers(p2p)
         addrs = visible_addresses(dht)
         kept = f" (peer id kept in {cfg.net.identity_path})" if cfg.net.identity_path else ""
         print(f"Bootstrap peer is up{kept}. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)

@@ -46,10 +46,15 @@ class ServerConfig:
     # norm per sample is larger; a request's activations may not hold a value of larger magnitude.
     max_grad_norm: float = 1000.0
     max_activation: float = 1e6
+    # robust aggregation for untrusted swarms: each replica's contribution to a step is clipped to this
+    # many times the median of its group's (norm per sample); 0 keeps the plain mean. Needs 3+ replicas.
+    clip_to_median: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.max_grad_norm >= 0, "server.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         require(self.max_activation >= 0, "server.max_activation", f"must be >= 0, got {self.max_activation}")
+        require(self.clip_to_median == 0 or self.clip_to_median >= 1, "server.clip_to_median",
+                f"must be 0 (off) or >= 1, got {self.clip_to_median}")
         require(self.stage >= 0, "server.stage", f"must be >= 0, got {self.stage}")
         require(self.slowdown >= 1.0, "server.slowdown", f"must be >= 1, got {self.slowdown}")
         require(self.reply_delay >= 0, "server.reply_delay", f"must be >= 0, got {self.reply_delay}")

@@ -153,6 +153,10 @@ class NetConfig:
     # a private key file that keeps this peer's id across restarts (created on first use), so that the
     # --initial-peers others were given stay valid; empty: a new id every start
     identity_path: str = ""
+    # a file holding a secret every member of a private swarm shares (at least 16 bytes, e.g. from
+    # `head -c 32 /dev/urandom`): DHT values are sealed with it and calls without proof of it are refused.
+    # Empty: an open swarm. See swarm.net.secret and SECURITY.md.
+    secret_path: str = ""
     use_relay: bool = True  # libp2p circuit relays: reach peers behind NATs through them (hivemind's default)
     use_auto_relay: bool = False  # look for relays to be reachable through from behind a NAT (DHT traffic only)
     # seconds this peer's wall clock may differ from the swarm's before it refuses to join: DHT records

@@ -23,6 +23,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 
 from swarm.core.joining import ClockSample
+from swarm.net.secret import AUTH_KEY, SwarmSecret
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,20 @@ MAX_PORTS = 4
 DIAL_TIMEOUT = 3.0
 
 
+
+class NotMember(Exception):
+    """The caller does not hold this private swarm's secret: it gets nothing."""
+
 class JoinServicer(ServicerBase):
-    def __init__(self, p2p: P2P):
+    def __init__(self, p2p: P2P, secret: SwarmSecret | None = None):
         self.p2p = p2p
+        self.secret = secret
         self._dialing = asyncio.Lock()
 
     async def rpc_hello(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         reply: dict = {"time": time.time()}
         try:
-            ports = _ports(request.metadata)
+            ports = _ports(request.metadata, self.secret, context)
         except ValueError as e:
             reply["error"] = str(e)
         else:
@@ -59,10 +65,13 @@ class JoinServicer(ServicerBase):
         return False, ",".join(hosts)
 
 
-def _ports(metadata: bytes) -> list[int]:
+def _ports(metadata: bytes, secret: SwarmSecret | None, context: P2PContext) -> list[int]:
     if len(metadata) > MAX_HELLO_BYTES:
         raise ValueError("greeting too large")
     meta = msgpack.unpackb(metadata) if metadata else {}
+    if secret is not None and not (isinstance(meta, dict) and secret.admits(
+            context.remote_id.to_base58(), context.local_id.to_base58(), meta.get(AUTH_KEY))):
+        raise NotMember("not a member of this private swarm")
     ports = meta.get("ports", []) if isinstance(meta, dict) else None
     if not isinstance(ports, list) or len(ports) > MAX_PORTS or not all(
             isinstance(p, int) and 0 < p < 65536 for p in ports):
@@ -97,12 +106,14 @@ class Greeting:
 
 
 async def greet(p2p: P2P, peers: list[str], ports: list[int], timeout: float = 10.0,
-                clock: Callable[[], float] = time.time) -> list[Greeting]:
+                clock: Callable[[], float] = time.time, secret: SwarmSecret | None = None) -> list[Greeting]:
     """Greet each peer at once; peers that do not answer in time are left out. `clock` is this peer's
     wall clock."""
-    request = runtime_pb2.ExpertRequest(metadata=msgpack.packb({"ports": ports[:MAX_PORTS]}))
+    me = p2p.peer_id.to_base58()
 
     async def one(peer: str) -> Greeting | None:
+        hello = {"ports": ports[:MAX_PORTS], **({AUTH_KEY: secret.token(me, peer)} if secret else {})}
+        request = runtime_pb2.ExpertRequest(metadata=msgpack.packb(hello))
         sent = clock()
         try:
             stub = JoinServicer.get_stub(p2p, PeerID.from_base58(peer))

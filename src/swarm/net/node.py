@@ -21,6 +21,7 @@ from swarm.net.identity import PeerSignatures, load_or_create, temporary_identit
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
 from swarm.net.protocol import bound_stream_messages
+from swarm.net.secret import SealedRecords, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     the main thread, whose exit ends them). Client-mode peers (trainers, `swarm status`) reach others but
     are not reachable, which is what lets them work from behind a NAT."""
     bound_stream_messages()
+    secret = load_secret(net.secret_path)
     if net.identity_path:
         path, key = Path(net.identity_path), load_or_create(Path(net.identity_path))
     else:
@@ -51,7 +53,7 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
             announce_maddrs=list(net.announce_addrs) or None,
             identity_path=str(path),
             check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
-            record_validators=[PeerSignatures(key)],
+            record_validators=[PeerSignatures(key)] + ([SealedRecords(secret)] if secret else []),
             use_relay=net.use_relay,
             use_auto_relay=net.use_auto_relay,
             client_mode=client_mode,
@@ -94,7 +96,7 @@ async def check_join(dht: hivemind.DHT, p2p: P2P, net: NetConfig, serving: bool,
         return
     addrs = visible_addresses(dht)
     ports = sorted({int(Multiaddr(a).value_for_protocol("tcp")) for a in addrs if "/tcp/" in a})
-    greetings = await greet(p2p, peers, ports if serving else [], clock=clock)
+    greetings = await greet(p2p, peers, ports if serving else [], clock=clock, secret=load_secret(net.secret_path))
     if not greetings:
         log.warning("none of the initial peers answered a greeting: clock and reachability not checked")
         return

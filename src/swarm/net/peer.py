@@ -16,6 +16,7 @@ from swarm.net.faultfile import FaultFile
 from swarm.net.lifeline import guard
 from swarm.net.node import check_join, start_dht
 from swarm.net.protocol import Traffic
+from swarm.net.secret import SwarmSecret, load_secret
 from swarm.net.transport import StageClient
 
 T = TypeVar("T")
@@ -30,6 +31,7 @@ class SwarmPeer:
     faults: FaultFile | None  # fault injection's delay/loss rules for this peer's stage calls, if any
     peer_id: str
     net: NetConfig
+    secret: SwarmSecret | None  # a private swarm's (see swarm.net.secret)
 
     def leave(self) -> None:
         self.dht.shutdown()
@@ -46,10 +48,11 @@ async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool
     try:
         p2p = await dht.replicate_p2p()
         faults = FaultFile(net.fault_file) if net.fault_file else None
-        client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000)
+        secret = load_secret(net.secret_path)
+        client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000, secret)
         await check_join(dht, p2p, net, serving)
         directory = Directory(dht, net.run_id, net.record_ttl)
-        return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58(), net)
+        return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58(), net, secret)
     except BaseException:
         dht.shutdown()
         raise

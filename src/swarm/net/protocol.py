@@ -18,12 +18,13 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
 import torch
+from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
@@ -102,9 +103,11 @@ def encode(
 
 
 async def decode(
-    stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None
+    stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None,
+    admit: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one."""
+    """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one.
+    `admit` sees the metadata as soon as it arrives, before any tensor is read: it raises to refuse."""
     meta: dict[str, Any] | None = None
     raw: list[torch.Tensor] = []
     sizes: list[int] = []  # bytes of each raw part, for the accounting
@@ -116,6 +119,10 @@ async def decode(
                 meta = msgpack.unpackb(msg.metadata) if msg.metadata else {}
                 if traffic is not None:
                     traffic.add(META_ROLE, "received", len(msg.metadata))
+                if admit is not None:
+                    if not isinstance(meta, dict):
+                        raise BadRequest("malformed metadata")
+                    admit(meta)
             for part in msg.tensors:
                 total += len(part.buffer)
                 if total > max_bytes:
@@ -212,11 +219,14 @@ def _garbage_is_bad_request() -> Iterator[None]:
 
 
 def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
-    """Make hivemind refuse any stream message that declares more than `limit` bytes, before reading it.
+    """Make hivemind refuse any stream message that declares more than `limit` bytes, before reading it,
+    and end quietly a stream whose message does not parse.
 
     hivemind reads each message of a stream whole, whatever length its 8-byte header declares, so one
-    header could make a peer allocate gigabytes. Every message this protocol sends is under `CHUNK_BYTES`
-    plus framing; a longer one ends its stream (both directions: requests served and replies read)."""
+    header could make a peer allocate gigabytes; and it logs a traceback for every message that does not
+    parse, which a stranger could send by the thousand. Every message this protocol sends is under
+    `CHUNK_BYTES` plus framing; a longer one, or garbage, ends its stream (both directions: requests
+    served and replies read) with one line in the log."""
     if getattr(P2P.receive_raw_data, "bounded", None) == limit:
         return
 
@@ -228,5 +238,15 @@ def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
             raise asyncio.IncompleteReadError(b"", length)
         return await reader.readexactly(length)
 
+    async def receive_protobuf(input_type, reader: asyncio.StreamReader):
+        try:
+            return await parse(input_type, reader)
+        except (DecodeError, TypeError) as e:  # TypeError: hivemind's own for an unknown message marker
+            log.warning("malformed stream message: %s", type(e).__name__)
+            raise asyncio.IncompleteReadError(b"", None) from e
+
     receive_raw_data.bounded = limit
+    parse = getattr(P2P.receive_protobuf, "unbounded", P2P.receive_protobuf)
+    receive_protobuf.unbounded = parse
     P2P.receive_raw_data = staticmethod(receive_raw_data)
+    P2P.receive_protobuf = staticmethod(receive_protobuf)

@@ -18,6 +18,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.net.faultfile import FaultFile
 from swarm.net.protocol import Item, Traffic, decode, encode
+from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.net.servicer import StageServicer
 from swarm.wire.codecs import EXACT, Policy
 
@@ -37,7 +38,7 @@ class CallFailed(Exception):
 
 class StageClient:
     def __init__(self, p2p: P2P, faults: FaultFile | None = None, policy: Policy = EXACT,
-                 traffic: Traffic | None = None, delay: float = 0.0):
+                 traffic: Traffic | None = None, delay: float = 0.0, secret: SwarmSecret | None = None):
         """`delay`: seconds every request waits before it goes (half of an emulated round trip; the
         server waits the other half)."""
         self.p2p = p2p
@@ -45,6 +46,8 @@ class StageClient:
         self.delay = delay
         self.policy = policy
         self.traffic = traffic
+        self.secret = secret
+        self.me = p2p.peer_id.to_base58()
 
     async def call(
         self,
@@ -58,6 +61,9 @@ class StageClient:
             stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
         except Exception as e:  # a peer id read from a record can be garbage
             raise CallFailed(f"{method}: {peer_id[:60]!r} is not a peer id", refused=True) from e
+
+        if self.secret is not None:
+            meta = {**meta, AUTH_KEY: self.secret.token(self.me, peer_id)}
 
         async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
             if self.delay:

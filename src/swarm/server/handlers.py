@@ -36,6 +36,7 @@ from swarm.wire.validate import (
 )
 
 log = logging.getLogger("swarm.server")
+MAX_STATE_SENDS = 2  # state downloads gathered at once
 
 
 class StageHandlers:
@@ -54,6 +55,7 @@ class StageHandlers:
         self.replies = ReplyCache()
         self.reduce_with: Callable[[dict, list, str], Any] | None = None  # the stage's all-reduce
         self.backups: BackupKeeper | None = None  # the copies of other stages this server holds
+        self.sending_state: set[str] = set()  # callers whose state download is being gathered
 
     def enter(self, stage: ServedStage, batcher: Batcher, reduce_with: Callable) -> None:
         self.stage, self.batcher, self.reduce_with = stage, batcher, reduce_with
@@ -178,8 +180,16 @@ class StageHandlers:
         return self._remember_gradient_reply(st, key, {}, grad)
 
     async def state(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        """The stage's whole state, to a replica catching up or a newcomer: at most MAX_STATE_SENDS at a time,
+        one per caller, since each holds the compute gate while the state is gathered."""
         st = self._serving(StageQuery.from_meta(meta).stage)
-        state, tensors = await self.gate.run(st.runtime.state)
+        if caller in self.sending_state or len(self.sending_state) >= MAX_STATE_SENDS:
+            raise Unavailable("busy sending its state to others; ask another replica or later")
+        self.sending_state.add(caller)
+        try:
+            state, tensors = await self.gate.run(st.runtime.state)
+        finally:
+            self.sending_state.discard(caller)
         return state, [Tagged("state", t) for t in tensors]
 
     async def ledger(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:

@@ -39,6 +39,7 @@ from swarm.server.restoring import take_stage_state
 from swarm.server.stage import ServedStage
 from swarm.server.stepping import Stepper
 from swarm.server.transfer import StateTransfer
+from swarm.supervise import supervised
 
 log = logging.getLogger("swarm.server")
 
@@ -111,13 +112,13 @@ class StageServer:
         cfg = self.cfg
         await self._check_configs()
         p2p, half_rtt = self.peer.p2p, cfg.net.emulated_rtt_ms / 2000
-        await JoinServicer(p2p).add_p2p_handlers(p2p)
+        await JoinServicer(p2p, self.peer.secret).add_p2p_handlers(p2p)
         await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
-                            half_rtt).add_p2p_handlers(p2p)
+                            half_rtt, self.peer.secret).add_p2p_handlers(p2p)
         self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net.record_ttl,
                                    self.peer.client, self.peer.directory, self._serving_stage)
         self.handlers.backups = self.keeper
-        keeping = asyncio.create_task(self.keeper.loop())
+        keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
         try:
             stage = cfg.server.stage
             if cfg.server.auto_stage:
@@ -136,14 +137,22 @@ class StageServer:
         return self.stage.index if self.stage is not None and self.stage.serving else None
 
     async def _check_configs(self) -> None:
-        for records in (await self.peer.directory.stages(self.cfg.model.num_stages)).values():
+        """Refuse to join a swarm whose servers all run with other settings (this server is misconfigured).
+        Where some share ours, the others are ignored, as trainers ignore them: a stranger's record with
+        another hash must not keep every new server out."""
+        records = [r for rs in (await self.peer.directory.stages(self.cfg.model.num_stages)).values() for r in rs]
+        if any(r.config_hash == self.hash for r in records):
             for r in records:
                 if r.config_hash != self.hash:
-                    raise ConfigMismatch(
-                        f"server {short(r.peer_id)} of stage {r.stage} runs with other settings "
-                        f"({describe_mismatch(self.agreed, r.agreed())}); "
-                        "use the same model and optim sections and swarm version, or another net.run_id"
-                    )
+                    log.warning("ignoring server %s: it runs with other settings", short(r.peer_id))
+            return
+        for r in records:
+            if r.config_hash != self.hash:
+                raise ConfigMismatch(
+                    f"server {short(r.peer_id)} of stage {r.stage} runs with other settings "
+                    f"({describe_mismatch(self.agreed, r.agreed())}); "
+                    "use the same model and optim sections and swarm version, or another net.run_id"
+                )
 
     def _results_name(self, stage: int) -> str:
         return f"server-s{stage}-{self.peer.peer_id[-8:]}"
@@ -161,7 +170,7 @@ class StageServer:
         name = self._results_name(index)
         transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout,
                                  self.keeper.local)
-        bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples)
+        bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples, cfg.server.clip_to_median)
         allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal,
                                    bounds)
         stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,
@@ -182,9 +191,10 @@ class StageServer:
 
     async def _serve_until_stop_or_move(self, jobs: StageJobs) -> int | None:
         """Run the stage's jobs until the server is stopped (None) or the mover has drained it (the target)."""
-        loops = [jobs.announcer.loop(), jobs.stepper.loop(), jobs.batcher.loop()]
+        loops = [supervised("announcer", jobs.announcer.loop), supervised("step", jobs.stepper.loop),
+                 supervised("batcher", jobs.batcher.loop)]
         if self.cfg.rebalance.enabled:
-            loops.append(jobs.mover.loop())
+            loops.append(supervised("mover", jobs.mover.loop))
         jobs.tasks = [asyncio.create_task(t) for t in loops]
         waits = [asyncio.ensure_future(e.wait()) for e in (self.stop, jobs.mover.moved)]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

@@ -32,6 +32,7 @@ from swarm.net.lifeline import CutOff
 from swarm.net.peer import join
 from swarm.net.protocol import Traffic
 from swarm.results import PeerResults
+from swarm.supervise import supervised
 from swarm.trainer.calls import MicrobatchFailed, StageCaller
 from swarm.trainer.delivery import GradientKeeper
 from swarm.trainer.feed import BlockLost, DataFeed, Piece
@@ -108,8 +109,9 @@ class Trainer:
     async def _train(self) -> None:
         await self.view.refresh(self.directory)
         self._check_config()
-        background = [asyncio.create_task(t) for t in (
-            self._refresh_loop(), self.keeper.loop(), self.progress.loop(short(self.peer_id)), self.feed.loop())]
+        background = [asyncio.create_task(supervised(name, loop)) for name, loop in (
+            ("view", self._refresh_loop), ("delivery", self.keeper.loop),
+            ("progress", lambda: self.progress.loop(short(self.peer_id))), ("lease", self.feed.loop))]
         try:
             await self._feed()
             self.done = True

@@ -1,0 +1,135 @@
+"""A hostile peer, to try a swarm's defences (the adversarial tests and benchmarks/attacks.py use it):
+
+    python -m swarm.ops.hostile ATTACK --config RUN/config.toml --initial-peers ADDR... --seconds N
+
+It joins the swarm's DHT as any stranger can, attacks for N seconds, then exits. `Attack` starts it
+against a `LocalSwarm` once the swarm has warmed up, and measures the steps before and during. Attacks:
+
+- `forged-record`: announces itself as a server of stage 1 at epoch 10^9 with a throughput of 10^9
+  samples/s, renewed every second, and serves nothing;
+- `wrong-hash`: announces a server of every stage with other settings (another config hash);
+- `junk-records`: writes records under subkeys that are no peer ids, and records of its own full of
+  garbage, under every stage's key;
+- `refuser`: serves stage 1 with a record like an honest server's and refuses every call it gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from swarm.config import agreed, config_hash, load_config
+from swarm.net.directory import Directory
+from swarm.net.node import start_dht
+from swarm.net.servicer import StageServicer
+from swarm.wire import PROTOCOL_VERSION
+from swarm.wire.records import ServerRecord, stage_key
+from swarm.wire.validate import BadRequest
+
+ATTACKS = ("forged-record", "wrong-hash", "junk-records", "refuser")
+
+
+class Refuser:
+    """A stage server's surface that refuses every call (see swarm.net.servicer.StageHandler)."""
+
+    max_request_bytes = 1 << 20
+
+    def refused(self, method: str, caller: str, error: BadRequest) -> None:
+        pass
+
+    async def forward(self, meta: Any, tensors: list, caller: str):
+        raise BadRequest("refused by a hostile server")
+
+    backward = state = reduce = ledger = backup = forward
+
+
+def _record(cfg, me: str, stage: int, **fields: Any) -> ServerRecord:
+    shared = agreed(cfg)
+    base = dict(peer_id=me, stage=stage, throughput=20.0, queue=0, epoch=0, pending=0, config_hash=config_hash(cfg),
+                model=shared["model"], optim=shared["optim"], protocol=PROTOCOL_VERSION, capacity=20.0, tenure=60.0)
+    return ServerRecord(**{**base, **fields})
+
+
+async def attack(kind: str, dht, cfg, seconds: float) -> None:
+    directory = Directory(dht, cfg.net.run_id, cfg.net.record_ttl)
+    me = dht.peer_id.to_base58()
+    if kind == "refuser":
+        p2p = await dht.replicate_p2p()
+        await StageServicer(Refuser()).add_p2p_handlers(p2p)
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if kind == "forged-record":
+            await directory.announce_server(_record(cfg, me, 1, throughput=1e9, capacity=1e9, epoch=10**9))
+        elif kind == "wrong-hash":
+            for stage in range(cfg.model.num_stages):
+                await directory.announce_server(_record(cfg, me, stage, config_hash="0" * 16))
+        elif kind == "junk-records":
+            for stage in range(cfg.model.num_stages):
+                key = stage_key(cfg.net.run_id, stage)
+                for subkey, value in (("not a peer", {"epoch": 10**9}), (me, {"stage": "x"}), (me + "x", 7)):
+                    await dht.store(key, value, directory.now() + 5, subkey=subkey, return_future=True)
+        else:  # refuser: look like the stage's other replicas
+            stage = await directory.stage(1)
+            epoch = max((r.epoch for r in stage if r.peer_id != me), default=0)
+            await directory.announce_server(_record(cfg, me, 1, epoch=epoch))
+        await asyncio.sleep(1.0)
+
+
+async def main(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config)
+    overrides = [f"net.initial_peers={list(args.initial_peers)!r}".replace("'", '"'), 'net.host="127.0.0.1"']
+    dht = start_dht(load_config(overrides=overrides).net, client_mode=args.attack != "refuser")
+    try:
+        print(f"hostile {args.attack} from {dht.peer_id.to_base58()}", flush=True)
+        await attack(args.attack, dht, cfg, args.seconds)
+    finally:
+        dht.shutdown()
+
+
+class Attack:
+    """An `on_status` hook for `LocalSwarm.wait_until_done`: once the slowest stage reaches
+    `warmup_epochs`, it measures `window` seconds of steps, then runs one hostile peer per kind in `kinds`
+    at once for as long, then tells the trainers to finish (`finish`). `rates()`: steps per second of the
+    slowest stage before the attack and during it."""
+
+    def __init__(self, swarm, kinds: tuple[str, ...], finish, window: float = 20.0, warmup_epochs: int = 3):
+        self.swarm, self.kinds, self.finish, self.window, self.warmup_epochs = (
+            swarm, kinds, finish, window, warmup_epochs)
+        self.marks: dict[str, tuple[float, int]] = {}  # phase -> (time, slowest stage's epoch) when it began
+        self.processes: list[subprocess.Popen] = []
+
+    def __call__(self, status) -> None:
+        now, epoch = time.monotonic(), status.min_epoch
+        if "before" not in self.marks and epoch >= self.warmup_epochs:
+            self.marks["before"] = (now, epoch)
+        elif "before" in self.marks and "attack" not in self.marks and now - self.marks["before"][0] >= self.window:
+            self.marks["attack"] = (now, epoch)
+            self.processes = [self._start(kind) for kind in self.kinds]
+        elif "attack" in self.marks and "after" not in self.marks and all(p.poll() is not None for p in self.processes):
+            self.marks["after"] = (now, epoch)
+            self.finish(self.swarm)
+
+    def _start(self, kind: str) -> subprocess.Popen:
+        run_dir = Path(self.swarm.run_dir)
+        log = open(run_dir / "logs" / f"hostile-{kind}.log", "w")  # noqa: SIM115  the child's
+        command = [sys.executable, "-m", "swarm.ops.hostile", kind, "--config", str(run_dir / "config.toml"),
+                   "--initial-peers", *self.swarm.initial_peers, "--seconds", str(self.window)]
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def rates(self) -> tuple[float, float]:
+        (t0, e0), (t1, e1), (t2, e2) = (self.marks[k] for k in ("before", "attack", "after"))
+        return (e1 - e0) / (t1 - t0), (e2 - e1) / (t2 - t1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("attack", choices=ATTACKS)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--initial-peers", nargs="+", required=True)
+    parser.add_argument("--seconds", type=float, required=True)
+    asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,68 @@
+"""The fuzzer (swarm.net.fuzz) against live stage servers: every well-framed bad message is answered with
+an error, garbage ends its stream, and the servers keep serving good requests throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.config import config_hash
+from swarm.net.directory import Directory
+from swarm.net.fuzz import Fuzzer, Target
+from swarm.net.node import start_dht
+from swarm.net.transport import StageClient
+from swarm.ops.local import LocalSwarm
+
+from .helpers import small_config, tracebacks, wait_for_stages
+
+pytestmark = pytest.mark.integration
+MESSAGES = int(os.environ.get("SWARM_FUZZ_MESSAGES", "1500"))  # per stage server (benchmarks/fuzz.py: more)
+
+
+def targets(cfg, servers: dict[int, str]) -> list[Target]:
+    seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg)
+    ids, hidden = torch.randint(0, 256, (2, seq)), torch.randn(2, seq, d)
+    counter = iter(range(10**9))
+
+    def good(stage: int):
+        meta = {"req": f"fuzz-good-{next(counter)}", "stage": stage, "config": good_hash}
+        return "forward", meta, [ids] if stage == 0 else [hidden, ids]
+
+    return [Target(peer, stage, lambda stage=stage: good(stage)) for stage, peer in servers.items()]
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_messages_to_every_call_crash_nothing_and_are_answered(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, "local.servers_per_stage=1")
+    swarm = LocalSwarm(cfg)
+    swarm.start_bootstrap()
+    for stage in range(cfg.model.num_stages):
+        swarm.add_server(stage)
+
+    async def scenario() -> list:
+        net = small_config(tmp_path, f"net.initial_peers={list(swarm.initial_peers)!r}".replace("'", '"')).net
+        dht = start_dht(net, client_mode=True)
+        try:
+            p2p = await dht.replicate_p2p()
+            servers = await wait_for_stages(Directory(dht, cfg.net.run_id, cfg.net.record_ttl), 2, 90)
+            fuzzer = Fuzzer(p2p, StageClient(p2p), seed=1)
+            return [await fuzzer.run(t, MESSAGES) for t in targets(cfg, servers)]
+        finally:
+            dht.shutdown()
+
+    try:
+        reports = asyncio.run(scenario())
+        alive = [p.alive() for p in swarm.servers()]
+    finally:
+        swarm.stop()
+    for report in reports:
+        assert report.sent == MESSAGES and not report.problems, report.problems[:5]
+        assert report.slowest_alive_check < 5.0, report
+        framed = sum(n for k, n in report.outcomes.items() if not k.startswith("bytes"))
+        assert sum(n for k, n in report.outcomes.items() if k.endswith(":error")) >= 0.9 * framed, report.outcomes
+    assert all(alive) and len(alive) == 2
+    assert not tracebacks(tmp_path)
