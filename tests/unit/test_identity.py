@@ -14,6 +14,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.net.identity import (
     MAX_LIFETIME,
+    DecodableValues,
     IdentityError,
     PeerSignatures,
     load_or_create,
@@ -81,3 +82,10 @@ def test_an_identity_file_keeps_its_key_and_one_of_another_type_is_refused(tmp_p
     rsa.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=b"x" * 1200).SerializeToString())
     with pytest.raises(IdentityError, match="Ed25519"):
         load_or_create(rsa)
+
+
+def test_a_value_that_does_not_deserialize_is_refused() -> None:
+    """hivemind's read of such a value never completes: it must not be stored, nor returned."""
+    check = DecodableValues()
+    assert check.validate(record("17", {"ok": 1}))
+    assert not check.validate(DHTRecord(b"key-id", MSGPackSerializer.dumps("17"), b"\xc1garbage", get_dht_time() + 5))

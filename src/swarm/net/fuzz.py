@@ -68,12 +68,12 @@ class Fuzzer:
             for _ in range(min(batch, messages - report.sent)):
                 kind, method = self.rng.choice(KINDS), self.rng.choice(METHODS)
                 started = time.monotonic()
-                outcome = await self._one(target, kind, method)
+                outcome, sent = await self._one(target, kind, method)
                 report.slowest_answer = max(report.slowest_answer, time.monotonic() - started)
                 report.outcomes[f"{kind}:{outcome}"] += 1
                 report.sent += 1
                 if outcome == "closed" and kind != "bytes":
-                    report.problems.append(f"a well-framed {kind} message to {method} got no answer")
+                    report.problems.append(f"a well-framed {kind} message to {method} got no answer: {sent}")
             started = time.monotonic()
             method, meta, tensors = target.good()
             try:
@@ -84,7 +84,8 @@ class Fuzzer:
             report.slowest_alive_check = max(report.slowest_alive_check, time.monotonic() - started)
         return report
 
-    async def _one(self, target: Target, kind: str, method: str) -> str:
+    async def _one(self, target: Target, kind: str, method: str) -> tuple[str, str]:
+        """Send one message; how it was answered, and what it was (its metadata, shortened)."""
         _, meta, tensors = target.good()
         meta = {**meta, "stage": target.stage}
         if kind == "meta":
@@ -98,7 +99,10 @@ class Fuzzer:
         raw = [m.SerializeToString() for m in messages]
         if kind == "bytes":
             raw = [self._mutate_bytes(r) for r in raw]
-        return await self._send(target.peer, method, raw)
+        outcome = await self._send(target.peer, method, raw)
+        if outcome == "closed" and kind != "bytes":  # libp2p streams now and then end early under load
+            outcome = await self._send(target.peer, method, raw)  # (the transport retries once too)
+        return outcome, repr(meta)[:300]
 
     async def _send(self, peer: str, method: str, raw: list[bytes]) -> str:
         """Send serialized request messages on a stream of their own; how the server answered."""

@@ -129,6 +129,25 @@ class PeerSignatures(RecordValidatorBase):
         return isinstance(other, PeerSignatures)
 
 
+class DecodableValues(RecordValidatorBase):
+    """Only values that deserialize: hivemind's read of one that does not never completes (the reader
+    hangs), and a stranger could store one under any key. Checked last, on the value as it will be read."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            MSGPackSerializer.loads(record.value)
+        except Exception:
+            return False
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 0
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, DecodableValues)
+
+
 def _raw(key: Ed25519PublicKey) -> bytes:
     return key.public_bytes(Encoding.Raw, PublicFormat.Raw)
 

@@ -17,7 +17,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetConfig
 from swarm.core.joining import judge_clock, judge_reachability
-from swarm.net.identity import PeerSignatures, load_or_create, temporary_identity
+from swarm.net.identity import DecodableValues, PeerSignatures, load_or_create, temporary_identity
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
 from swarm.net.protocol import bound_stream_messages
@@ -53,7 +53,7 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
             announce_maddrs=list(net.announce_addrs) or None,
             identity_path=str(path),
             check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
-            record_validators=[PeerSignatures(key)] + ([SealedRecords(secret)] if secret else []),
+            record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
             use_relay=net.use_relay,
             use_auto_relay=net.use_auto_relay,
             client_mode=client_mode,
