@@ -12,7 +12,8 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import Bounds, RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.averaging.allreduce import RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.averaging.checks import Bounds
 from swarm.net.protocol import decode, encode
 from swarm.net.transport import CallFailed
 from swarm.wire import codecs

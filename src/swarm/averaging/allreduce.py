@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem
 from swarm.core.partition import split_evenly
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
@@ -50,34 +51,25 @@ log = logging.getLogger(__name__)
 
 
 DIVERGED = "diverged:"  # marks a refusal because member weights differ
-POISON = "poisoned:"  # marks a refusal of a contribution that is not finite or over its bound
 
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
-MAX_GROUP = 256  # members a proposed group may list
-MAX_IDS = 1 << 16  # microbatch ids one contribution may list
-MAX_ID_CHARS = 256
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """What one member's contribution may hold (0: no bound)."""
-
-    max_norm_per_sample: float = 0.0  # L2 norm of its part divided by its samples
-    samples_per_id: int = 0  # samples per microbatch it lists
-    # robust aggregation: each contribution's norm per sample is clipped to this many times the group's
-    # median (0: the plain mean); with three or more members, one hostile member's pull is bounded
-    clip_to_median: float = 0.0
-
-
 class RoundFailed(Exception):
     """This round did not complete on this member; its gradients are kept for the next try.
     `unreachable`: members no call could reach, or that sent nothing before the timeout (dead or
     frozen; the next group should leave them out)."""
 
-    def __init__(self, message: str, unreachable: frozenset[str] = frozenset()):
+    def __init__(self, message: str, unreachable: frozenset[str] = frozenset(),
+                 refused_by: frozenset[str] = frozenset()):
         super().__init__(message)
         self.unreachable = unreachable
+        self.refused_by = refused_by  # owners that answered our part with a refusal
+
+
+class _RefusedBy(CallFailed):
+    def __init__(self, owner: str, error: CallFailed):
+        super().__init__(str(error), refused=True)
+        self.owner = owner
 
 
 class _Unreachable(Exception):
@@ -97,64 +89,6 @@ class WeightsDiverged(RoundFailed):
 def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal slices of a vector of `total` elements."""
     return [(r.start, r.stop) for r in split_evenly(total, parts)]
-
-
-@dataclass(frozen=True)
-class _Contribution:
-    """One member's part of a round, as its `reduce` call carries it."""
-
-    sender: str
-    epoch: int
-    group: tuple[str, ...]
-    samples: int
-    ids: list[str]
-    digest: str  # of the sender's weights, which must equal the owner's
-    part: torch.Tensor
-
-    @classmethod
-    def parse(cls, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str, bounds: Bounds) -> _Contribution:
-        if not isinstance(meta, dict):
-            raise BadRequest("malformed reduce request: metadata must be a map")
-        epoch, group, samples, ids = (meta.get(k) for k in ("epoch", "group", "samples", "ids"))
-        ids = [] if ids is None else ids
-        if not (_is_int(epoch) and _is_int(samples) and isinstance(group, list) and isinstance(ids, list)):
-            raise BadRequest("malformed reduce request: epoch, samples, group or ids missing or mistyped")
-        if not (len(group) <= MAX_GROUP and len(ids) <= MAX_IDS
-                and all(isinstance(p, str) and len(p) <= MAX_ID_CHARS for p in (*group, *ids))):
-            raise BadRequest("malformed reduce request: group and ids must list at most "
-                             f"{MAX_GROUP} and {MAX_IDS} short strings")
-        if samples < 0 or (bounds.samples_per_id and samples > len(ids) * bounds.samples_per_id):
-            raise BadRequest(f"reduce request claims {samples} samples for {len(ids)} microbatch(es)")
-        if sender not in group or len(tensors) != 1:
-            raise BadRequest("reduce request from outside its own group")
-        part = tensors[0]
-        if not bool(torch.isfinite(part).all()):
-            raise BadRequest(f"{POISON} part from {short(sender)} holds NaN or Inf")
-        norm = float(torch.linalg.vector_norm(part.float())) / max(samples, 1)
-        if bounds.max_norm_per_sample and norm > bounds.max_norm_per_sample:
-            raise BadRequest(f"{POISON} part from {short(sender)} has norm {norm:.3g} per sample, over the bound "
-                             f"of {bounds.max_norm_per_sample:.3g}")
-        return cls(sender, epoch, tuple(group), samples, ids, str(meta.get("digest", "")), part)
-
-
-def _answer_problem(tensors: list[torch.Tensor], size: int, samples: Any, ids: Any, max_norm: float) -> str | None:
-    if len(tensors) != 1:
-        return f"{len(tensors)} tensors"
-    mean = tensors[0]
-    if mean.numel() != size or mean.dtype != torch.float32:
-        return f"{mean.numel()} {mean.dtype} values for {size} float32"
-    if not bool(torch.isfinite(mean).all()):
-        return "NaN or Inf"
-    if max_norm and float(torch.linalg.vector_norm(mean)) > max_norm:
-        return "a mean over the bound"
-    if not (_is_int(samples) and samples >= 0 and isinstance(ids, list) and len(ids) <= MAX_IDS
-            and all(isinstance(i, str) for i in ids)):
-        return "a malformed sample count or id list"
-    return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -248,7 +182,9 @@ class StageAllReduce:
             if rnd.poisoned:  # left out of the next groups, like a member that does not answer
                 raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
             members = ",".join(map(short, group))
-            raise RoundFailed(f"epoch {epoch} with [{members}]: {type(e).__name__} {e}".rstrip()) from e
+            refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
+            raise RoundFailed(f"epoch {epoch} with [{members}]: {type(e).__name__} {e}".rstrip(),
+                              refused_by=refused_by) from e
         finally:
             for task in tasks:
                 task.cancel()
@@ -291,6 +227,8 @@ class StageAllReduce:
                                                             self.timeout)
                     break
                 except CallFailed as e:
+                    if e.refused:
+                        raise _RefusedBy(owner, e) from e
                     if e.answered or e.timed_out:
                         raise
                     if attempt == REDUCE_ATTEMPTS - 1:
@@ -305,7 +243,7 @@ class StageAllReduce:
         size asked for, within the bound a mean of bounded contributions cannot exceed, and a sample count
         and id list of the right kinds. An owner that answers otherwise is left out of the next groups."""
         samples, ids = reply.get("samples"), reply.get("ids", [])
-        problem = _answer_problem(tensors, size, samples, ids, self.bounds.max_norm_per_sample)
+        problem = answer_problem(tensors, size, samples, ids, self.bounds.max_norm_per_sample)
         if problem is not None:
             raise RoundFailed(f"owner {short(owner)} answered with {problem}", frozenset({owner}))
         return tensors[0], samples, ids
@@ -316,7 +254,7 @@ class StageAllReduce:
         """Owner side: take one member's part, answer with the reduced part once all are in. A poisoned
         part (not finite, or over the bounds) ends this owner's round at once: its result would be poison."""
         try:
-            c = _Contribution.parse(meta, tensors, sender, self.bounds)
+            c = Contribution.parse(meta, tensors, sender, self.bounds)
         except BadRequest as e:
             epoch = meta.get("epoch") if isinstance(meta, dict) else None
             rnd = self._rounds.get(epoch) if isinstance(epoch, int) else None
@@ -337,7 +275,7 @@ class StageAllReduce:
             raise BadRequest(f"the round for epoch {c.epoch} was abandoned")
         return self._answer(rnd.result)
 
-    async def _round_for(self, c: _Contribution) -> _Round:
+    async def _round_for(self, c: Contribution) -> _Round:
         """This owner's round for the contribution's epoch, once it agrees with the contribution: a
         contribution that comes first proposes the round (`on_wake`), and waits for it to begin."""
         if c.epoch not in self._rounds:

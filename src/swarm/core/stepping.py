@@ -56,7 +56,8 @@ class StepView:
 class PlanMemory:
     """What the plan carries from one look to the next (the replica keeps it, the plan updates it)."""
 
-    suspects: Mapping[str, tuple[float, int]] = field(default_factory=dict)  # peer -> (until, epoch it was at)
+    # peer -> (until, epoch it was at; None: whatever its epoch, for a peer that keeps refusing our rounds)
+    suspects: Mapping[str, tuple[float, int | None]] = field(default_factory=dict)
     alone_since: float = math.inf  # since when no other replica has been in view
     behind_since: Mapping[str, float] = field(default_factory=dict)  # peer -> since when it looks behind
     peers_at_epoch: tuple[int, frozenset[str]] = (-1, frozenset())  # replicas last seen at our epoch
@@ -101,7 +102,8 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
         return Step(view.proposal[1]), memory
     now = view.now
     epochs = {r.peer: r.epoch for r in view.others}
-    suspects = {p: (until, e) for p, (until, e) in memory.suspects.items() if until > now and epochs.get(p, e) == e}
+    suspects = {p: (until, e) for p, (until, e) in memory.suspects.items()
+                if until > now and (e is None or epochs.get(p, e) == e)}
     in_view = [r for r in view.others if r.peer not in suspects]
     alone_since = memory.alone_since
     if in_view:
@@ -134,8 +136,9 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     return Step(expected_group(view.me, peers)), memory
 
 
-def suspect(memory: PlanMemory, peers: Iterable[str], until: float, epoch: int) -> PlanMemory:
-    """Peers that failed a round of ours at `epoch`: left out of the next groups until `until`."""
+def suspect(memory: PlanMemory, peers: Iterable[str], until: float, epoch: int | None) -> PlanMemory:
+    """Peers that failed a round of ours at `epoch`: left out of the next groups until `until`, or until
+    their record moves past `epoch` (with `epoch` None, whatever their record says)."""
     return replace(memory, suspects={**memory.suspects, **{p: (until, epoch) for p in peers}})
 
 

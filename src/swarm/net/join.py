@@ -33,7 +33,7 @@ DIAL_TIMEOUT = 3.0
 
 
 
-class NotMember(Exception):
+class NotMember(PermissionError):
     """The caller does not hold this private swarm's secret: it gets nothing."""
 
 class JoinServicer(ServicerBase):

@@ -212,7 +212,7 @@ def _garbage_is_bad_request() -> Iterator[None]:
     """Protobuf, msgpack and torch errors while parsing all mean one thing: garbage arrived."""
     try:
         yield
-    except BadRequest:
+    except (BadRequest, PermissionError):  # (a refusal of the caller itself: see decode's `admit`)
         raise
     except Exception as e:
         raise BadRequest(f"malformed payload: {type(e).__name__}: {e}") from e

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.config import agreed, config_hash, load_config
+from swarm.exiting import exit_now
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.net.servicer import StageServicer
@@ -55,14 +57,14 @@ def _record(cfg, me: str, stage: int, **fields: Any) -> ServerRecord:
     return ServerRecord(**{**base, **fields})
 
 
-async def attack(kind: str, dht, cfg, seconds: float) -> None:
+async def attack(kind: str, dht, cfg) -> None:
+    """Attack until cancelled."""
     directory = Directory(dht, cfg.net.run_id, cfg.net.record_ttl)
     me = dht.peer_id.to_base58()
     if kind == "refuser":
         p2p = await dht.replicate_p2p()
         await StageServicer(Refuser()).add_p2p_handlers(p2p)
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
+    while True:
         if kind == "forged-record":
             await directory.announce_server(_record(cfg, me, 1, throughput=1e9, capacity=1e9, epoch=10**9))
         elif kind == "wrong-hash":
@@ -86,32 +88,35 @@ async def main(args: argparse.Namespace) -> None:
     dht = start_dht(load_config(overrides=overrides).net, client_mode=args.attack != "refuser")
     try:
         print(f"hostile {args.attack} from {dht.peer_id.to_base58()}", flush=True)
-        await attack(args.attack, dht, cfg, args.seconds)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(attack(args.attack, dht, cfg), args.seconds)
+        print(f"hostile {args.attack} done", flush=True)
     finally:
         dht.shutdown()
 
 
 class Attack:
     """An `on_status` hook for `LocalSwarm.wait_until_done`: once the slowest stage reaches
-    `warmup_epochs`, it measures `window` seconds of steps, then runs one hostile peer per kind in `kinds`
-    at once for as long, then tells the trainers to finish (`finish`). `rates()`: steps per second of the
-    slowest stage before the attack and during it."""
+    `warmup_epochs`, it measures `window` seconds of training, then runs one hostile peer per kind in
+    `kinds` at once for as long, then tells the trainers to finish (`finish`). `rates()`: samples per
+    second the trainers completed (through every stage) before the attack and during it: what the
+    servers' records say of epochs is what the attackers forge."""
 
     def __init__(self, swarm, kinds: tuple[str, ...], finish, window: float = 20.0, warmup_epochs: int = 3):
         self.swarm, self.kinds, self.finish, self.window, self.warmup_epochs = (
             swarm, kinds, finish, window, warmup_epochs)
-        self.marks: dict[str, tuple[float, int]] = {}  # phase -> (time, slowest stage's epoch) when it began
+        self.marks: dict[str, tuple[float, int]] = {}  # phase -> (time, samples completed) when it began
         self.processes: list[subprocess.Popen] = []
 
     def __call__(self, status) -> None:
-        now, epoch = time.monotonic(), status.min_epoch
-        if "before" not in self.marks and epoch >= self.warmup_epochs:
-            self.marks["before"] = (now, epoch)
+        now, samples = time.monotonic(), status.trainer_samples
+        if "before" not in self.marks and status.min_epoch >= self.warmup_epochs:
+            self.marks["before"] = (now, samples)
         elif "before" in self.marks and "attack" not in self.marks and now - self.marks["before"][0] >= self.window:
-            self.marks["attack"] = (now, epoch)
+            self.marks["attack"] = (now, samples)
             self.processes = [self._start(kind) for kind in self.kinds]
         elif "attack" in self.marks and "after" not in self.marks and all(p.poll() is not None for p in self.processes):
-            self.marks["after"] = (now, epoch)
+            self.marks["after"] = (now, samples)
             self.finish(self.swarm)
 
     def _start(self, kind: str) -> subprocess.Popen:
@@ -133,3 +138,4 @@ if __name__ == "__main__":
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--seconds", type=float, required=True)
     asyncio.run(main(parser.parse_args()))
+    exit_now(0)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.allreduce import Bounds, StageAllReduce
+from swarm.averaging.allreduce import StageAllReduce
+from swarm.averaging.checks import Bounds
 from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.exiting import STOP_MARGIN, on_stop_signals

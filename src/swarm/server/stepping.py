@@ -43,6 +43,8 @@ from swarm.wire.records import ServerRecord, TrainerRecord
 
 log = logging.getLogger("swarm.server")
 LOOK_EVERY = 0.25  # seconds between looks when nothing wakes the step loop
+STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
+DISTRUST_TTLS = 10  # record lifetimes such a peer stays left out
 
 
 class Stepper:
@@ -65,6 +67,7 @@ class Stepper:
         self.rng = rng
         self._trainers_read: tuple[float, list[TrainerRecord]] = (-math.inf, [])
         self._failures = 0  # rounds failed in a row, for the backoff
+        self._strikes: dict[str, int] = {}  # peer -> rounds in a row it refused our part in
 
     async def loop(self) -> None:
         """Look, and act on what the plan says, until cancelled. An error, wherever it comes from (the
@@ -102,6 +105,7 @@ class Stepper:
             elif isinstance(decision, Step):
                 await self._step(st.runtime.epoch, decision.group)
                 self._failures = 0
+                self._strikes.clear()
         except WeightsDiverged as e:
             await self._resolve_divergence(e)
         except RoundFailed as e:
@@ -109,8 +113,21 @@ class Stepper:
             st.counters["failed_rounds"] += 1
             # left out of the next groups until their records expire
             st.plan = suspect(st.plan, e.unreachable, time.monotonic() + self.net.record_ttl, st.runtime.epoch)
+            self._strike(e.refused_by)
             log.warning("stage %d step %d round failed (%s); retrying", st.index, st.runtime.epoch + 1, e)
             await asyncio.sleep(backoff_delay(self._failures, 0.2, 3.0, self.rng))
+
+    def _strike(self, refused_by: frozenset[str]) -> None:
+        """A peer that refused our part in STRIKES rounds in a row, with no step between, is left out of
+        the stage's groups for DISTRUST_TTLS record lifetimes, whatever epoch it announces: a replica that
+        refuses every round (hostile, or broken) would otherwise be in every group the plan proposes."""
+        for peer in refused_by:
+            self._strikes[peer] = self._strikes.get(peer, 0) + 1
+            if self._strikes[peer] == STRIKES:
+                log.warning("stage %d: %s refused %d rounds in a row; left out of the stage's rounds for %.0fs",
+                            self.stage.index, short(peer), STRIKES, DISTRUST_TTLS * self.net.record_ttl)
+                self.stage.plan = suspect(self.stage.plan, [peer],
+                                          time.monotonic() + DISTRUST_TTLS * self.net.record_ttl, None)
 
     async def _look(self) -> tuple[Decision, list[ServerRecord]]:
         """Gather the view, ask the plan, remember what it says to remember."""

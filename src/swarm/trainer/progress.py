@@ -65,7 +65,7 @@ class Progress:
         try:
             while True:
                 await asyncio.sleep(self.every)
-                step = min(self.view.stage_epoch)
+                step = min(self.view.settled_epoch(k) for k in range(self.view.num_stages))
                 if bar is None:
                     log.info("trainer %s: %s, step %d", label, self.line(), step)
                 else:

@@ -155,7 +155,8 @@ class Trainer:
             await asyncio.gather(*running)
 
     def _finished(self) -> bool:
-        return self.stop.is_set() or self.draining or min(self.view.stage_epoch) >= self.tc.target_steps
+        reached = min(self.view.settled_epoch(k) for k in range(self.num_stages)) >= self.tc.target_steps
+        return self.stop.is_set() or self.draining or reached
 
     def _drain(self) -> None:
         if not self.draining:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Collection
 
@@ -82,6 +83,13 @@ class SwarmView:
         Servers in `ignore` (their last call from us failed or was refused) do not count: an epoch
         announced by a peer that does not serve would make every replica that does look stale."""
         return max((r.epoch for r in self.servers[stage] if r.peer_id not in ignore), default=0)
+
+    def settled_epoch(self, stage: int) -> int:
+        """How far the stage has trained, as most of its live replicas say (the lower median): one record
+        claiming a far higher epoch, a stranger's, does not end the run. A stage without a live replica
+        is where it was last seen."""
+        epochs = [r.epoch for r in self.servers[stage]]
+        return statistics.median_low(epochs) if epochs else self.stage_epoch[stage]
 
     def gone(self, stage: int, peer: str) -> bool:
         """Whether a server has been missing from the last two views of its stage (its record expired or

@@ -1,0 +1,115 @@
+"""What attacks cost a running swarm, measured.
+
+For each hostile peer of `swarm.ops.hostile`, alone and then all together, a local swarm (2 stages x 2
+servers, 2 trainers) trains until its slowest stage has warmed up, is measured for `--window` seconds,
+then attacked for as long: the figure is the samples per second the trainers completed in each window. Then the
+fuzzer (`swarm.net.fuzz`) sends `--fuzz-messages` random and mutated messages to a server of each stage.
+
+    .venv/bin/python benchmarks/attacks.py [--window 20] [--fuzz-messages 10000] [--only KIND ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from swarm.config import config_hash, load_config
+from swarm.net.directory import Directory
+from swarm.net.fuzz import Fuzzer, Target
+from swarm.net.node import start_dht
+from swarm.net.transport import StageClient
+from swarm.ops.hostile import ATTACKS, Attack
+from swarm.ops.local import LocalSwarm
+
+SMALL = [  # a model whose step takes well under a second on 2 cores
+    'net.run_id="attacks"', "model.d_model=64", "model.n_heads=2", "model.d_ff=128", "model.n_layers=2",
+    "model.seq_len=64", "model.num_stages=2", "optim.lr=3e-3", "optim.warmup_steps=2", "optim.target_batch_size=16",
+    "trainer.microbatch_size=4", "trainer.max_inflight=3", "trainer.target_steps=100000", "local.servers_per_stage=2",
+    "local.trainers=2", "local.timeout=600.0", "rebalance.enabled=false",
+]
+
+
+def finish(swarm: LocalSwarm) -> None:
+    for trainer in swarm.trainers():
+        trainer.signal(signal.SIGTERM)
+
+
+def measure(kinds: tuple[str, ...], run_dir: Path, window: float) -> dict:
+    swarm = LocalSwarm(load_config(overrides=[*SMALL, f'run_dir="{run_dir}"']))
+    attack = Attack(swarm, kinds, finish, window=window)
+    try:
+        swarm.start()
+        swarm.wait_until_done(progress=False, on_status=attack)
+    finally:
+        swarm.stop()
+    before, during = attack.rates()
+    return {"attack": "+".join(kinds), "samples/s before": round(before, 2), "samples/s during": round(during, 2),
+            "ratio": round(during / before, 2) if before else None}
+
+
+def fuzz(run_dir: Path, messages: int) -> list[dict]:
+    cfg = load_config(overrides=[*SMALL, f'run_dir="{run_dir}"', "local.servers_per_stage=1"])
+    swarm = LocalSwarm(cfg)
+    swarm.start_bootstrap()
+    for stage in range(cfg.model.num_stages):
+        swarm.add_server(stage)
+    ids, hidden = torch.randint(0, 256, (2, cfg.model.seq_len)), torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
+    counter = iter(range(10**9))
+
+    def good(stage: int):
+        return "forward", {"req": f"good-{next(counter)}", "stage": stage, "config": config_hash(cfg)}, (
+            [ids] if stage == 0 else [hidden, ids])
+
+    async def run() -> list[dict]:
+        net = load_config(overrides=[f"net.initial_peers={list(swarm.initial_peers)!r}".replace("'", '"')]).net
+        dht = start_dht(net, client_mode=True)
+        try:
+            p2p = await dht.replicate_p2p()
+            directory = Directory(dht, cfg.net.run_id, cfg.net.record_ttl)
+            while not all((stages := await directory.stages(cfg.model.num_stages)).values()):
+                await asyncio.sleep(0.5)
+            fuzzer, rows = Fuzzer(p2p, StageClient(p2p), seed=0), []
+            for stage, records in stages.items():
+                started = time.monotonic()
+                report = await fuzzer.run(Target(records[0].peer_id, stage, lambda s=stage: good(s)), messages)
+                rows.append({"stage": stage, "messages": report.sent, "seconds": round(time.monotonic() - started, 1),
+                             "outcomes": dict(sorted(report.outcomes.items())), "problems": report.problems[:5],
+                             "slowest answer s": round(report.slowest_answer, 3),
+                             "slowest good call after a batch s": round(report.slowest_alive_check, 3)})
+            return rows
+        finally:
+            dht.shutdown()
+
+    try:
+        rows = asyncio.run(run())
+        for row, server in zip(rows, swarm.servers(), strict=True):
+            row["server alive"] = server.alive()
+        return rows
+    finally:
+        swarm.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=float, default=20.0)
+    parser.add_argument("--fuzz-messages", type=int, default=10_000)
+    parser.add_argument("--only", nargs="+", choices=ATTACKS, help="these attacks alone (default: each, then all)")
+    parser.add_argument("--run-dir", default="runs/attacks")
+    args = parser.parse_args()
+    root = Path(args.run_dir)
+    runs = [(k,) for k in (args.only or ATTACKS)] + ([] if args.only else [tuple(ATTACKS)])
+    for kinds in runs:
+        print(json.dumps(measure(kinds, root / "+".join(kinds), args.window)), flush=True)
+    if args.fuzz_messages:
+        for row in fuzz(root / "fuzz", args.fuzz_messages):
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
