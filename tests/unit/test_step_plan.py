@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from swarm.core.stepping import (
     CatchUp,
@@ -139,3 +140,21 @@ def test_an_epoch_claim_that_gave_no_state_stops_holding_the_stage_back_until_th
     assert moved == CatchUp(("liar",))
     (expired,), _ = looks(view(11.0, liar, pending=32), memory=memory)
     assert expired == CatchUp(("liar",))
+
+
+def test_a_peer_that_always_looks_one_behind_is_waited_for_twice_then_no_more():
+    """A stranger announcing itself one epoch behind, step after step, made every step wait the grace.
+    After MAX_WAITS graces in vain it is not waited for; once seen at our epoch, it is again."""
+    memory, now, epoch = PlanMemory(), 0.0, 3
+    waits = []
+    for _ in range(4):
+        lagging = Replica("lag", epoch - 1, 0)
+        (first,), memory = looks(view(now, lagging, epoch=epoch, pending=32), memory=memory)
+        waits.append(first == Wait())
+        (decision,), memory = looks(view(now + GRACE + 0.1, lagging, epoch=epoch, pending=32), memory=memory)
+        assert decision == Step(("me",))
+        memory = replace(memory, behind_since={})  # what a round that opens does (server.stepping._opens)
+        now, epoch = now + GRACE + 1.0, epoch + 1
+    assert waits == [True, True, False, False]
+    (caught_up,), memory = looks(view(now, Replica("lag", epoch, 8), epoch=epoch, pending=8), memory=memory)
+    assert "lag" not in memory.stragglers

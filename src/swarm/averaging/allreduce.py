@@ -183,7 +183,8 @@ class StageAllReduce:
                 raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
             members = ",".join(map(short, group))
             refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
-            raise RoundFailed(f"epoch {epoch} with [{members}]: {type(e).__name__} {e}".rstrip(),
+            kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
+            raise RoundFailed(f"epoch {epoch} with [{members}]: {kind} {e}".rstrip(),
                               refused_by=refused_by) from e
         finally:
             for task in tasks:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+MAX_WAITS = 2  # graces a replica waits, step after step, for a peer that looks behind and never catches up
+
 
 def stage_ready(own_samples: int, peer_samples: Mapping[str, int], target_batch_size: int) -> bool:
     """Whether the stage as a whole has accumulated `target_batch_size` samples this epoch.
@@ -61,6 +63,7 @@ class PlanMemory:
     alone_since: float = math.inf  # since when no other replica has been in view
     behind_since: Mapping[str, float] = field(default_factory=dict)  # peer -> since when it looks behind
     peers_at_epoch: tuple[int, frozenset[str]] = (-1, frozenset())  # replicas last seen at our epoch
+    stragglers: Mapping[str, int] = field(default_factory=dict)  # peer -> graces it made us wait in vain
     # peers whose state could not be had (download failed, or unusable): peer -> (until, epoch it claimed)
     unproven: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
@@ -118,15 +121,19 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     if ahead:
         return CatchUp(tuple(r.peer for r in ahead)), memory
     peers = {r.peer: r.pending for r in in_view if r.epoch == view.epoch}
-    memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)))
+    stragglers = {p: n for p, n in memory.stragglers.items() if p not in peers}  # (one that caught up is forgiven)
+    memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)), stragglers=stragglers)
     held = view.pending + sum(peers.values())
     run_over = held > 0 and view.trainers > 0 and view.trainers_done  # flush what the stage still holds
     if not (stage_ready(view.pending, peers, view.target_batch_size) or run_over):
         return Wait(), memory
     behind_since = {r.peer: memory.behind_since.get(r.peer, now) for r in in_view if r.epoch < view.epoch}
+    # a peer that made us wait out the grace MAX_WAITS times without ever catching up is waited for no more
     memory = replace(memory, behind_since=behind_since)
-    if any(now - since < view.grace for since in behind_since.values()):
+    if any(now - since < view.grace for p, since in behind_since.items() if stragglers.get(p, 0) < MAX_WAITS):
         return Wait(), memory
+    if behind_since:  # stepping without them: each has cost us a grace
+        memory = replace(memory, stragglers={**stragglers, **{p: stragglers.get(p, 0) + 1 for p in behind_since}})
     if not in_view:
         if not view.trainers:
             # once the swarm is back in view, its other replicas may take a moment more to appear

@@ -99,7 +99,7 @@ class Stepper:
                     # none gave a state for the epoch it announces: until their records move on, their claims
                     # do not hold this replica back (a forged record would otherwise stop the stage for good)
                     st.plan = unproven(st.plan, {r.peer_id: r.epoch for r in sources},
-                                       time.monotonic() + self.net.record_ttl)
+                                       time.monotonic() + DISTRUST_TTLS * self.net.record_ttl)
                     log.warning("stage %d: no state to be had from %s at the epoch announced; stepping on",
                                 st.index, ", ".join(short(r.peer_id) for r in sources))
             elif isinstance(decision, Step):

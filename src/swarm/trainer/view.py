@@ -14,6 +14,7 @@ from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.trainer")
+EPOCH_LEAD = 2  # steps a replica may be ahead of most of its stage's and still set the epoch callers expect
 
 
 class SwarmView:
@@ -80,9 +81,14 @@ class SwarmView:
     def live_epoch(self, stage: int, ignore: Collection[str] = ()) -> int:
         """The stage's epoch as its live replicas announce it: a replica behind it must not serve us.
         (Not the highest epoch ever seen: a stage whose replicas all died restarts from a checkpoint.)
-        Servers in `ignore` (their last call from us failed or was refused) do not count: an epoch
-        announced by a peer that does not serve would make every replica that does look stale."""
-        return max((r.epoch for r in self.servers[stage] if r.peer_id not in ignore), default=0)
+        Servers in `ignore` (their last call from us failed or was refused) do not count, nor an epoch
+        more than EPOCH_LEAD ahead of what most replicas announce (the lower median): an epoch announced
+        by a peer that does not serve, or lies, would make every replica that does serve look stale."""
+        epochs = [r.epoch for r in self.servers[stage] if r.peer_id not in ignore]
+        if not epochs:
+            return 0
+        most = statistics.median_low(epochs)
+        return max(e for e in epochs if e <= most + EPOCH_LEAD)
 
     def settled_epoch(self, stage: int) -> int:
         """How far the stage has trained, as most of its live replicas say (the lower median): one record
