@@ -156,6 +156,7 @@ def test_a_trainer_killed_with_microbatches_in_flight_then_a_server_during_an_al
     assert_replicas_in_step(summary, tmp_path)
 
 
+@pytest.mark.slow  # ~70 s: in make test-slow, keeping make test inside its time budget
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(os.geteuid() != 0 or not netlab.available(), reason="network namespaces need root and iproute2")
 def test_a_partitioned_server_catches_up_after_the_partition_heals(tmp_path):

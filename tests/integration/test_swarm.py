@@ -47,6 +47,7 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
     assert (tmp_path / "loss.png").exists() and (tmp_path / "throughput.png").exists()
 
 
+@pytest.mark.slow  # ~45 s: in make test-slow, keeping make test inside its time budget
 @pytest.mark.timeout(300)
 def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
     checkpoints = tmp_path / "checkpoints"

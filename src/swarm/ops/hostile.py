@@ -34,6 +34,7 @@ from swarm.wire.records import ServerRecord, stage_key
 from swarm.wire.validate import BadRequest
 
 ATTACKS = ("forged-record", "wrong-hash", "junk-records", "refuser")
+ATTACKING = "attacking"  # what a hostile peer prints once it has joined and begins
 
 
 class Refuser:
@@ -87,7 +88,7 @@ async def main(args: argparse.Namespace) -> None:
     overrides = [f"net.initial_peers={list(args.initial_peers)!r}".replace("'", '"'), 'net.host="127.0.0.1"']
     dht = start_dht(load_config(overrides=overrides).net, client_mode=args.attack != "refuser")
     try:
-        print(f"hostile {args.attack} from {dht.peer_id.to_base58()}", flush=True)
+        print(f"hostile {args.attack} from {dht.peer_id.to_base58()}: {ATTACKING}", flush=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(attack(args.attack, dht, cfg), args.seconds)
         print(f"hostile {args.attack} done", flush=True)
@@ -97,10 +98,11 @@ async def main(args: argparse.Namespace) -> None:
 
 class Attack:
     """An `on_status` hook for `LocalSwarm.wait_until_done`: once the slowest stage reaches
-    `warmup_epochs`, it measures `window` seconds of training, then runs one hostile peer per kind in
-    `kinds` at once for as long, then tells the trainers to finish (`finish`). `rates()`: samples per
-    second the trainers completed (through every stage) before the attack and during it: what the
-    servers' records say of epochs is what the attackers forge."""
+    `warmup_epochs`, it measures `window` seconds of training, then starts one hostile peer per kind in
+    `kinds`; once every one of them has joined and begun, they attack for `window` seconds; then it tells
+    the trainers to finish (`finish`). `rates()`: samples per second the trainers completed (through
+    every stage) before the attack and during it: what the servers' records say of epochs is what the
+    attackers forge. (A hostile peer takes a while to start where the swarm keeps the cores busy.)"""
 
     def __init__(self, swarm, kinds: tuple[str, ...], finish, window: float = 20.0, warmup_epochs: int = 3):
         self.swarm, self.kinds, self.finish, self.window, self.warmup_epochs = (
@@ -112,23 +114,29 @@ class Attack:
         now, samples = time.monotonic(), status.trainer_samples
         if "before" not in self.marks and status.min_epoch >= self.warmup_epochs:
             self.marks["before"] = (now, samples)
-        elif "before" in self.marks and "attack" not in self.marks and now - self.marks["before"][0] >= self.window:
-            self.marks["attack"] = (now, samples)
+        elif "before" in self.marks and "launch" not in self.marks and now - self.marks["before"][0] >= self.window:
+            self.marks["launch"] = (now, samples)
             self.processes = [self._start(kind) for kind in self.kinds]
+        elif "launch" in self.marks and "attack" not in self.marks and all(
+                ATTACKING in self._log(kind).read_text() for kind in self.kinds):
+            self.marks["attack"] = (now, samples)
         elif "attack" in self.marks and "after" not in self.marks and all(p.poll() is not None for p in self.processes):
             self.marks["after"] = (now, samples)
             self.finish(self.swarm)
 
+    def _log(self, kind: str) -> Path:
+        return Path(self.swarm.run_dir) / "logs" / f"hostile-{kind}.log"
+
     def _start(self, kind: str) -> subprocess.Popen:
         run_dir = Path(self.swarm.run_dir)
-        log = open(run_dir / "logs" / f"hostile-{kind}.log", "w")  # noqa: SIM115  the child's
+        log = open(self._log(kind), "w")  # noqa: SIM115  the child's
         command = [sys.executable, "-m", "swarm.ops.hostile", kind, "--config", str(run_dir / "config.toml"),
                    "--initial-peers", *self.swarm.initial_peers, "--seconds", str(self.window)]
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
     def rates(self) -> tuple[float, float]:
-        (t0, e0), (t1, e1), (t2, e2) = (self.marks[k] for k in ("before", "attack", "after"))
-        return (e1 - e0) / (t1 - t0), (e2 - e1) / (t2 - t1)
+        (t0, n0), (t1, n1), (t2, n2), (t3, n3) = (self.marks[k] for k in ("before", "launch", "attack", "after"))
+        return (n1 - n0) / (t1 - t0), (n3 - n2) / (t3 - t2)
 
 
 if __name__ == "__main__":
