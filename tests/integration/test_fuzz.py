@@ -20,7 +20,7 @@ from swarm.ops.local import LocalSwarm
 from .helpers import small_config, tracebacks, wait_for_stages
 
 pytestmark = pytest.mark.integration
-MESSAGES = int(os.environ.get("SWARM_FUZZ_MESSAGES", "1500"))  # per stage server (benchmarks/fuzz.py: more)
+MESSAGES = int(os.environ.get("SWARM_FUZZ_MESSAGES", "800"))  # per stage server (benchmarks/attacks.py: 10,000)
 
 
 def targets(cfg, servers: dict[int, str]) -> list[Target]:

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 RTT_MS = 200.0  # well above what a call of this small model takes on loopback (tens of ms)
 
 
+@pytest.mark.slow  # ~35 s: in make test-slow, keeping make test well inside its time budget
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(os.geteuid() != 0 or not netlab.available(), reason="network namespaces need root and iproute2")
 def test_every_peer_sits_behind_a_shaped_link_and_every_call_pays_the_round_trip(tmp_path):
