@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import subprocess
 import sys
 import time
@@ -76,10 +77,11 @@ async def attack(kind: str, dht, cfg) -> None:
                 key = stage_key(cfg.net.run_id, stage)
                 for subkey, value in (("not a peer", {"epoch": 10**9}), (me, {"stage": "x"}), (me + "x", 7)):
                     await dht.store(key, value, directory.now() + 5, subkey=subkey, return_future=True)
-        else:  # refuser: look like the stage's other replicas
-            stage = await directory.stage(1)
-            epoch = max((r.epoch for r in stage if r.peer_id != me), default=0)
-            await directory.announce_server(_record(cfg, me, 1, epoch=epoch))
+        else:  # refuser: look like the stage's other replicas, so that trainers call it as often
+            others = [r for r in await directory.stage(1) if r.peer_id != me]
+            epoch = statistics.median_low([r.epoch for r in others]) if others else 0
+            rate = statistics.median_low([r.throughput for r in others]) if others else 20.0
+            await directory.announce_server(_record(cfg, me, 1, epoch=epoch, throughput=rate, capacity=rate))
         await asyncio.sleep(1.0)
 
 
