@@ -5,7 +5,8 @@ servers, 2 trainers) trains until its slowest stage has warmed up, is measured f
 then attacked for as long: the figure is the samples per second the trainers completed in each window. Then the
 fuzzer (`swarm.net.fuzz`) sends `--fuzz-messages` random and mutated messages to a server of each stage.
 
-    .venv/bin/python benchmarks/attacks.py [--window 20] [--fuzz-messages 10000] [--only KIND ... | --no-attacks]
+    .venv/bin/python benchmarks/attacks.py [--window 20] [--fuzz-messages 10000]
+                                           [--only KIND ... | --all-at-once | --no-attacks]
 """
 
 from __future__ import annotations
@@ -100,11 +101,13 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--fuzz-messages", type=int, default=10_000)
     parser.add_argument("--only", nargs="+", choices=ATTACKS, help="these attacks alone (default: each, then all)")
+    parser.add_argument("--all-at-once", action="store_true", help="only every attack together")
     parser.add_argument("--no-attacks", action="store_true", help="the fuzzer only")
     parser.add_argument("--run-dir", default="runs/attacks")
     args = parser.parse_args()
     root = Path(args.run_dir)
-    runs = [] if args.no_attacks else [(k,) for k in (args.only or ATTACKS)] + ([] if args.only else [tuple(ATTACKS)])
+    runs = [(k,) for k in (args.only or ATTACKS)] + ([] if args.only else [tuple(ATTACKS)])
+    runs = [] if args.no_attacks else [tuple(ATTACKS)] if args.all_at_once else runs
     for kinds in runs:
         print(json.dumps(measure(kinds, root / "+".join(kinds), args.window)), flush=True)
     if args.fuzz_messages:
