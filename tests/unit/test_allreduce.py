@@ -405,6 +405,26 @@ def test_an_owner_answering_poison_is_not_used_and_is_named(answer: float) -> No
         assert isinstance(outcome, RoundFailed) and outcome.unreachable == frozenset({"peerC"}), (peer, outcome)
 
 
+def test_a_refusal_names_its_owner_unless_the_replicas_merely_disagree_on_the_round() -> None:
+    """An owner not at our epoch refuses as honest replicas do while one catches up: not held against it.
+    An owner refusing for any other reason is named (the step loop leaves it out after a few such)."""
+    ids = ("peerA", "peerB")
+    not_ready = make_members(ids, timeout=SHORT, on_wake={"peerB": lambda epoch, group: False})
+    with pytest.raises(RoundFailed) as info:
+        run_all(not_ready["peerA"].run(0, ids, torch.randn(10), 1))
+    assert info.value.refused_by == frozenset()
+
+    hostile = make_members(ids, timeout=SHORT)
+
+    async def refuse(meta, tensors, sender):
+        raise BadRequest("refused by a hostile server")
+
+    hostile["peerB"].contribute = refuse
+    with pytest.raises(RoundFailed) as info:
+        run_all(hostile["peerA"].run(0, ids, torch.randn(10), 1))
+    assert info.value.refused_by == frozenset({"peerB"})
+
+
 def test_clipped_aggregation_bounds_one_hostile_members_pull() -> None:
     """Three replicas, one sending a finite gradient 100 times the others' scale (within the norm bound):
     with the plain mean it dominates the step; clipped to twice the median, it counts as an honest one."""

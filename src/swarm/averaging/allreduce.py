@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 
 DIVERGED = "diverged:"  # marks a refusal because member weights differ
+# marks a refusal because replicas do not agree yet on the round (epoch, group): honest peers refuse so while
+# one of them catches up, which must not count against them (see swarm.server.stepping's strikes)
+NOT_READY = "not ready:"
 
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
@@ -228,7 +231,7 @@ class StageAllReduce:
                                                             self.timeout)
                     break
                 except CallFailed as e:
-                    if e.refused:
+                    if e.refused and not any(mark in str(e) for mark in (NOT_READY, DIVERGED, POISON)):
                         raise _RefusedBy(owner, e) from e
                     if e.answered or e.timed_out:
                         raise
@@ -273,7 +276,7 @@ class StageAllReduce:
                 self._reduce(rnd, c.epoch)
         await rnd.complete.wait()
         if rnd.result is None:
-            raise BadRequest(f"the round for epoch {c.epoch} was abandoned")
+            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} was abandoned")
         return self._answer(rnd.result)
 
     async def _round_for(self, c: Contribution) -> _Round:
@@ -281,12 +284,12 @@ class StageAllReduce:
         contribution that comes first proposes the round (`on_wake`), and waits for it to begin."""
         if c.epoch not in self._rounds:
             if not self.on_wake(c.epoch, c.group):
-                raise BadRequest(f"this replica is not at epoch {c.epoch}")
+                raise BadRequest(f"{NOT_READY} this replica is not at epoch {c.epoch}")
             started = self._started_event(c.epoch)
             try:
                 await asyncio.wait_for(started.wait(), self.timeout)
             except TimeoutError as e:
-                raise BadRequest(f"no round for epoch {c.epoch} began here") from e
+                raise BadRequest(f"{NOT_READY} no round for epoch {c.epoch} began here") from e
             finally:
                 if not started.is_set():
                     self._started.pop(c.epoch, None)
@@ -294,7 +297,8 @@ class StageAllReduce:
         if rnd is None or rnd.group != c.group:
             theirs = ",".join(map(short, c.group))
             mine = ",".join(map(short, rnd.group)) if rnd else "none"
-            raise BadRequest(f"group mismatch for epoch {c.epoch}: sender has [{theirs}], owner has [{mine}]")
+            raise BadRequest(f"{NOT_READY} group mismatch for epoch {c.epoch}: sender has [{theirs}], owner has "
+                             f"[{mine}]")
         if c.digest != rnd.digest:
             raise BadRequest(f"{DIVERGED} weights of {short(c.sender)} differ from the owner's at epoch {c.epoch}")
         if c.part.numel() != rnd.size or c.part.dtype != torch.float32:
