@@ -18,11 +18,9 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-
-from swarm.config import config_hash, load_config
+from swarm.config import load_config
 from swarm.net.directory import Directory
-from swarm.net.fuzz import Fuzzer, Target
+from swarm.net.fuzz import Fuzzer, forward_targets
 from swarm.net.node import start_dht
 from swarm.net.transport import StageClient
 from swarm.ops.hostile import ATTACKS, Attack
@@ -60,13 +58,6 @@ def fuzz(run_dir: Path, messages: int) -> list[dict]:
     swarm.start_bootstrap()
     for stage in range(cfg.model.num_stages):
         swarm.add_server(stage)
-    ids, hidden = torch.randint(0, 256, (2, cfg.model.seq_len)), torch.randn(2, cfg.model.seq_len, cfg.model.d_model)
-    counter = iter(range(10**9))
-
-    def good(stage: int):
-        return "forward", {"req": f"good-{next(counter)}", "stage": stage, "config": config_hash(cfg)}, (
-            [ids] if stage == 0 else [hidden, ids])
-
     async def run() -> list[dict]:
         net = load_config(overrides=[f"net.initial_peers={list(swarm.initial_peers)!r}".replace("'", '"')]).net
         dht = start_dht(net, client_mode=True)
@@ -76,10 +67,11 @@ def fuzz(run_dir: Path, messages: int) -> list[dict]:
             while not all((stages := await directory.stages(cfg.model.num_stages)).values()):
                 await asyncio.sleep(0.5)
             fuzzer, rows = Fuzzer(p2p, StageClient(p2p), seed=0), []
-            for stage, records in stages.items():
+            for target in forward_targets(cfg, {stage: records[0].peer_id for stage, records in stages.items()}):
                 started = time.monotonic()
-                report = await fuzzer.run(Target(records[0].peer_id, stage, lambda s=stage: good(s)), messages)
-                rows.append({"stage": stage, "messages": report.sent, "seconds": round(time.monotonic() - started, 1),
+                report = await fuzzer.run(target, messages)
+                seconds = round(time.monotonic() - started, 1)
+                rows.append({"stage": target.stage, "messages": report.sent, "seconds": seconds,
                              "outcomes": dict(sorted(report.outcomes.items())), "problems": report.problems[:5],
                              "slowest answer s": round(report.slowest_answer, 3),
                              "slowest good call after a batch s": round(report.slowest_alive_check, 3)})

@@ -8,11 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-from swarm.config import config_hash
 from swarm.net.directory import Directory
-from swarm.net.fuzz import Fuzzer, Target
+from swarm.net.fuzz import Fuzzer, forward_targets
 from swarm.net.node import start_dht
 from swarm.net.transport import StageClient
 from swarm.ops.local import LocalSwarm
@@ -21,18 +19,6 @@ from .helpers import small_config, tracebacks, wait_for_stages
 
 pytestmark = pytest.mark.integration
 MESSAGES = int(os.environ.get("SWARM_FUZZ_MESSAGES", "800"))  # per stage server (benchmarks/attacks.py: 10,000)
-
-
-def targets(cfg, servers: dict[int, str]) -> list[Target]:
-    seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg)
-    ids, hidden = torch.randint(0, 256, (2, seq)), torch.randn(2, seq, d)
-    counter = iter(range(10**9))
-
-    def good(stage: int):
-        meta = {"req": f"fuzz-good-{next(counter)}", "stage": stage, "config": good_hash}
-        return "forward", meta, [ids] if stage == 0 else [hidden, ids]
-
-    return [Target(peer, stage, lambda stage=stage: good(stage)) for stage, peer in servers.items()]
 
 
 @pytest.mark.timeout(300)
@@ -50,7 +36,7 @@ def test_fuzzed_messages_to_every_call_crash_nothing_and_are_answered(tmp_path: 
             p2p = await dht.replicate_p2p()
             servers = await wait_for_stages(Directory(dht, cfg.net.run_id, cfg.net.record_ttl), 2, 90)
             fuzzer = Fuzzer(p2p, StageClient(p2p), seed=1)
-            return [await fuzzer.run(t, MESSAGES) for t in targets(cfg, servers)]
+            return [await fuzzer.run(t, MESSAGES) for t in forward_targets(cfg, servers)]
         finally:
             dht.shutdown()
 

@@ -18,6 +18,7 @@ from swarm.net.join import greet
 from swarm.net.node import start_dht
 from swarm.net.secret import load_secret
 from swarm.net.transport import CallFailed, StageClient
+from swarm.ops import netlab
 from swarm.ops.hostile import Attack
 from swarm.ops.local import LocalSwarm
 
@@ -55,11 +56,13 @@ def test_hostile_peers_together_neither_stop_nor_poison_the_swarm(tmp_path: Path
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.skipif(os.geteuid() != 0 or not netlab.available(), reason="network namespaces need root and iproute2")
 def test_a_private_swarm_gives_a_stranger_nothing_to_read_no_place_to_write_and_no_answer(tmp_path: Path) -> None:
-    """Servers sharing a secret; a stranger on the same DHT without it, and a member with it."""
+    """Servers sharing a secret, each on a namespace host of its own; a stranger on the same DHT without
+    it, and a member with it."""
     secret = tmp_path / "swarm.secret"
     secret.write_bytes(os.urandom(32))
-    cfg = small_config(tmp_path, f'net.secret_path="{secret}"', "local.servers_per_stage=1")
+    cfg = small_config(tmp_path, f'net.secret_path="{secret}"', "local.servers_per_stage=1", "local.netns=true")
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()
     for stage in range(cfg.model.num_stages):

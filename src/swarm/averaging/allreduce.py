@@ -324,9 +324,9 @@ class StageAllReduce:
 
     def _clip_scales(self, rnd: _Round) -> dict[str, float]:
         """How much each member's part counts (1: whole; see Bounds.clip_to_median)."""
+        if not self.bounds.clip_to_median or len(rnd.contributions) < 3:
+            return dict.fromkeys(rnd.contributions, 1.0)
         norms = {m: float(torch.linalg.vector_norm(p)) / max(n, 1) for m, (p, n, _) in rnd.contributions.items()}
-        if not self.bounds.clip_to_median or len(norms) < 3:
-            return dict.fromkeys(norms, 1.0)
         cap = self.bounds.clip_to_median * statistics.median(norms.values())
         clipped = {m: min(1.0, cap / v) if v > 0 else 1.0 for m, v in norms.items()}
         if any(s < 1.0 for s in clipped.values()):

@@ -60,8 +60,8 @@ class Contribution:
         part = tensors[0]
         if not bool(torch.isfinite(part).all()):
             raise BadRequest(f"{POISON} part from {short(sender)} holds NaN or Inf")
-        norm = float(torch.linalg.vector_norm(part.float())) / max(samples, 1)
-        if bounds.max_norm_per_sample and norm > bounds.max_norm_per_sample:
+        if bounds.max_norm_per_sample and (
+                norm := float(torch.linalg.vector_norm(part.float())) / max(samples, 1)) > bounds.max_norm_per_sample:
             raise BadRequest(f"{POISON} part from {short(sender)} has norm {norm:.3g} per sample, over the bound "
                              f"of {bounds.max_norm_per_sample:.3g}")
         return cls(sender, epoch, tuple(group), samples, ids, str(meta.get("digest", "")), part)

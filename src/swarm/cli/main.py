@@ -171,9 +171,9 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
         loop = asyncio.get_running_loop()
         on_stop_signals(loop, stop.set, STOP_MARGIN, "bootstrap peer")
         p2p = await dht.replicate_p2p()
-        await check_join(dht, p2p, cfg.net, serving=False)
-        # newcomers greet it: clock and dial-back checks
-        await JoinServicer(p2p, load_secret(cfg.net.secret_path)).add_p2p_handlers(p2p)
+        secret = load_secret(cfg.net.secret_path)
+        await check_join(dht, p2p, cfg.net, serving=False, secret=secret)
+        await JoinServicer(p2p, secret).add_p2p_handlers(p2p)  # newcomers greet it: clock and dial-back checks
         addrs = visible_addresses(dht)
         kept = f" (peer id kept in {cfg.net.identity_path})" if cfg.net.identity_path else ""
         print(f"Bootstrap peer is up{kept}. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)

@@ -17,6 +17,8 @@ served again within `alive_timeout`: the server has not crashed, and its event l
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import math
 import random
 import time
@@ -30,6 +32,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from swarm.config import SwarmConfig, config_hash
 from swarm.net.protocol import WIRE_KEY, Tagged, encode
 from swarm.net.transport import CallFailed, StageClient
 from swarm.wire.codecs import CODECS, DTYPES
@@ -45,6 +48,19 @@ class Target:
     peer: str
     stage: int
     good: Callable[[], tuple[str, dict[str, Any], list[Any]]]  # method, meta, tensors of a valid call
+
+
+def forward_targets(cfg: SwarmConfig, servers: dict[int, str]) -> list[Target]:
+    """A target per stage server, whose good request is a forward of two random samples."""
+    seq, d, good_hash = cfg.model.seq_len, cfg.model.d_model, config_hash(cfg)
+    ids, hidden = torch.randint(0, 256, (2, seq)), torch.randn(2, seq, d)
+    counter = itertools.count()
+
+    def good(stage: int) -> tuple[str, dict[str, Any], list[Any]]:
+        meta = {"req": f"fuzz-good-{next(counter)}", "stage": stage, "config": good_hash}
+        return "forward", meta, [ids] if stage == 0 else [hidden, ids]
+
+    return [Target(peer, stage, functools.partial(good, stage)) for stage, peer in servers.items()]
 
 
 @dataclass
@@ -113,9 +129,7 @@ class Fuzzer:
                 writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
             await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
             reply, _ = await asyncio.wait_for(P2P.receive_protobuf(runtime_pb2.ExpertResponse, reader), self.timeout)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return "closed"
-        except TimeoutError:
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             return "closed"
         finally:
             writer.close()

@@ -21,7 +21,7 @@ from swarm.net.identity import DecodableValues, PeerSignatures, load_or_create, 
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
 from swarm.net.protocol import bound_stream_messages
-from swarm.net.secret import SealedRecords, load_secret
+from swarm.net.secret import SealedRecords, SwarmSecret, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _loopback(addr: str) -> bool:
 
 
 async def check_join(dht: hivemind.DHT, p2p: P2P, net: NetConfig, serving: bool,
-                     clock: Callable[[], float] = time.time) -> None:
+                     clock: Callable[[], float] = time.time, secret: SwarmSecret | None = None) -> None:
     """Greet the initial peers: compare clocks (warn, or refuse past `net.max_clock_offset`) and, for a
     peer that others must connect to (`serving`), have them dial back; refuse one nobody can reach.
 
@@ -96,7 +96,7 @@ async def check_join(dht: hivemind.DHT, p2p: P2P, net: NetConfig, serving: bool,
         return
     addrs = visible_addresses(dht)
     ports = sorted({int(Multiaddr(a).value_for_protocol("tcp")) for a in addrs if "/tcp/" in a})
-    greetings = await greet(p2p, peers, ports if serving else [], clock=clock, secret=load_secret(net.secret_path))
+    greetings = await greet(p2p, peers, ports if serving else [], clock=clock, secret=secret)
     if not greetings:
         log.warning("none of the initial peers answered a greeting: clock and reachability not checked")
         return

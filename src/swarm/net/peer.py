@@ -50,7 +50,7 @@ async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool
         faults = FaultFile(net.fault_file) if net.fault_file else None
         secret = load_secret(net.secret_path)
         client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000, secret)
-        await check_join(dht, p2p, net, serving)
+        await check_join(dht, p2p, net, serving, secret=secret)
         directory = Directory(dht, net.run_id, net.record_ttl)
         return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58(), net, secret)
     except BaseException:
