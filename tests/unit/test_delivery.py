@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.core import LedgerAnswer, Verdict, judge, merge_answers
+from swarm.core import LedgerAnswer, LedgerReply, Verdict, judge, merge_answers
 
 
 def answer(epoch: int = 5, committed_at: int | None = None, pending: bool = False, durable: int = 5) -> LedgerAnswer:
@@ -51,10 +51,49 @@ def test_at_the_end_of_a_run_a_commit_is_enough() -> None:
     assert judge(8, True, reply, need_durable=False) is Verdict.DONE
 
 
+def reply(epoch: int, committed: dict | None = None, pending: list | None = None, durable: int = 0) -> LedgerReply:
+    parsed = LedgerReply.parse({"epoch": epoch, "committed": committed or {}, "pending": pending or [],
+                                "durable": durable})
+    assert parsed is not None
+    return parsed
+
+
 def test_answers_of_several_replicas_merge() -> None:
     """The most advanced replica has not heard of it, the holder still has it: wait, not replay."""
-    advanced = {"epoch": 7, "committed": {}, "pending": [], "durable": 6}
-    holder = {"epoch": 6, "committed": {"m2": 6}, "pending": ["m1"], "durable": 5}
-    assert merge_answers([advanced, holder], "m1") == LedgerAnswer(7, None, True, 6)
-    assert merge_answers([advanced, holder], "m2") == LedgerAnswer(7, 6, False, 5)
-    assert judge(6, True, merge_answers([advanced, holder], "m1")) is Verdict.WAIT
+    answers = {"advanced": reply(7, {"m2": 6}, durable=6), "holder": reply(6, {"m2": 6}, ["m1"], durable=5)}
+    assert merge_answers(answers, "m1", "holder", 4) == LedgerAnswer(7, None, True, 6)
+    assert merge_answers(answers, "m2", "holder", 4) == LedgerAnswer(7, 6, False, 5)
+    assert judge(6, True, merge_answers(answers, "m1", "holder", 4)) is Verdict.WAIT
+
+
+def test_only_the_holder_can_say_a_microbatch_is_pending() -> None:
+    """A replica claiming another's microbatch pending would keep the trainer waiting for ever."""
+    answers = {"liar": reply(7, pending=["m1"]), "holder": reply(7)}
+    merged = merge_answers(answers, "m1", "holder", 4)
+    assert not merged.pending and judge(6, True, merged) is Verdict.REPLAY
+
+
+def test_a_commit_that_a_replica_past_it_does_not_know_of_is_disputed_and_waited_on() -> None:
+    """A lying replica claims a microbatch committed (and durable) so that the trainer forgets it; a replica
+    that took the steps since, and would list it, says otherwise: neither forget it nor send it again."""
+    liar, honest = reply(9, {"m1": 8}, durable=8), reply(8)
+    merged = merge_answers({"liar": liar, "honest": honest}, "m1", "dead holder", 4)
+    assert merged.disputed and judge(7, False, merged) is Verdict.WAIT
+    # one that has not reached the step, or has forgotten it (keep_epochs later), cannot dispute it
+    for epoch in (7, 12):
+        merged = merge_answers({"liar": liar, "other": reply(epoch)}, "m1", "dead holder", 4)
+        assert not merged.disputed and judge(7, False, merged) is Verdict.DONE
+    # replicas that agree settle it
+    merged = merge_answers({"a": liar, "b": reply(8, {"m1": 8}, durable=8)}, "m1", "dead holder", 4)
+    assert not merged.disputed and judge(7, False, merged) is Verdict.DONE
+
+
+@pytest.mark.parametrize("bad", [
+    None, [], {"epoch": 1}, {"epoch": "7", "committed": {}, "pending": [], "durable": 0},
+    {"epoch": 7, "committed": [], "pending": [], "durable": 0},
+    {"epoch": 7, "committed": {"m": 1.5}, "pending": [], "durable": 0},
+    {"epoch": 7, "committed": {}, "pending": [3], "durable": 0},
+    {"epoch": True, "committed": {}, "pending": [], "durable": 0},
+])
+def test_a_malformed_ledger_reply_is_dropped(bad: object) -> None:
+    assert LedgerReply.parse(bad) is None

@@ -14,6 +14,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.net.identity import (
     MAX_LIFETIME,
+    SIGNED_LIFETIME,
     DecodableValues,
     IdentityError,
     PeerSignatures,
@@ -65,6 +66,13 @@ def test_records_not_under_a_peer_id_are_left_unsigned_but_expiry_is_capped() ->
     block = record("17", {"owner": "x"})
     assert mine.sign_value(block) == block.value and mine.validate(block)
     assert not mine.validate(record("17", {"owner": "x"}, expires_in=MAX_LIFETIME + 60))
+
+
+def test_a_signed_record_lives_at_most_the_signed_lifetime() -> None:
+    mine, me = signer()
+    for expires_in, kept in ((SIGNED_LIFETIME - 30, True), (SIGNED_LIFETIME + 30, False)):
+        own = record(me, {"epoch": 3}, expires_in=expires_in)
+        assert mine.validate(DHTRecord(own.key, own.subkey, mine.sign_value(own), own.expiration_time)) is kept
 
 
 def test_the_validator_travels_to_the_dht_process_with_its_key() -> None:

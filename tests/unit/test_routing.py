@@ -1,4 +1,5 @@
-"""Stochastic wiring: shares follow throughput, bans and load are respected, WRR is exact."""
+"""Stochastic wiring: shares follow throughput, bans and load are respected, WRR is exact; newcomers count
+as a typical server until they answer, and servers measured slow lose share."""
 
 from __future__ import annotations
 
@@ -11,14 +12,22 @@ import pytest
 from swarm.core.bans import BanList
 from swarm.core.routing import (
     Candidate,
+    ServerLatencies,
     SmoothWeightedRoundRobin,
+    Yardsticks,
     choose_server,
     routing_weight,
     throughput_cap,
+    typical_throughput,
     unmeasured_throughput,
 )
 
 PICKS = 20_000
+
+
+def _answered(peer: str, throughput: float, latency: float = 1.0, **load: int) -> Candidate:
+    """A server that has answered the caller (so its announcement counts in full, up to the cap)."""
+    return Candidate(peer, throughput, latency=latency, **load)
 
 
 def _shares(candidates, picks=PICKS, seed=0, banned=()):
@@ -28,7 +37,7 @@ def _shares(candidates, picks=PICKS, seed=0, banned=()):
 
 
 def test_shares_proportional_to_throughput():
-    candidates = [Candidate(f"s{t}", float(t)) for t in (1, 2, 3, 4)]
+    candidates = [_answered(f"s{t}", float(t)) for t in (1, 2, 3, 4)]
     shares = _shares(candidates)
     for c in candidates:
         assert shares[c.peer_id] == pytest.approx(c.throughput / 10, abs=0.02), shares
@@ -68,22 +77,25 @@ def test_load_lowers_share(load):
 
 
 def test_newcomer_without_throughput_is_measured():
-    candidates = [Candidate("old1", 2.0), Candidate("old2", 4.0), Candidate("new", 0.0)]
+    """It counts as the median server (3), at most the lower median (2) until it has answered."""
+    candidates = [_answered("old1", 2.0), _answered("old2", 4.0), Candidate("new", 0.0)]
     assert unmeasured_throughput(candidates) == 3.0
-    shares = _shares(candidates)
-    assert shares["new"] == pytest.approx(3.0 / 9.0, abs=0.02)
+    assert _shares(candidates)["new"] == pytest.approx(2.0 / 8.0, abs=0.02)
+    candidates[2] = _answered("new", 0.0)
+    assert _shares(candidates)["new"] == pytest.approx(3.0 / 9.0, abs=0.02)
 
 
 def test_weights_stay_positive_for_bogus_announcements():
     assert unmeasured_throughput([Candidate("x", 0.0)]) == 1.0
     for bogus in (0.0, -5.0, float("nan"), float("inf")):
-        assert routing_weight(Candidate("x", bogus), unmeasured=2.0) == 2.0
-    assert routing_weight(Candidate("x", 0.0), unmeasured=0.0) > 0
+        assert routing_weight(Candidate("x", bogus), Yardsticks(unannounced=2.0)) == 2.0
+    assert routing_weight(Candidate("x", 0.0), Yardsticks(unannounced=0.0)) > 0
+    assert routing_weight(_answered("x", 1.0, latency=float("nan")), Yardsticks(latency=1.0)) == 1.0
     assert choose_server([Candidate("x", 0.0), Candidate("y", float("nan"))], random.Random(0)) in {"x", "y"}
 
 
 def test_wrr_exact_proportions_over_one_cycle():
-    candidates = [Candidate(f"s{t}", float(t)) for t in (1, 2, 3, 4)]
+    candidates = [_answered(f"s{t}", float(t)) for t in (1, 2, 3, 4)]
     wrr = SmoothWeightedRoundRobin()
     for _ in range(3):
         cycle = [wrr.pick(candidates) for _ in range(10)]
@@ -92,16 +104,16 @@ def test_wrr_exact_proportions_over_one_cycle():
 
 def test_wrr_interleaves_instead_of_bursting():
     wrr = SmoothWeightedRoundRobin()
-    picks = [wrr.pick([Candidate("a", 5.0), Candidate("b", 1.0), Candidate("c", 1.0)]) for _ in range(7)]
+    picks = [wrr.pick([_answered("a", 5.0), _answered("b", 1.0), _answered("c", 1.0)]) for _ in range(7)]
     assert picks == ["a", "a", "b", "a", "c", "a", "a"]
 
 
 def test_wrr_survives_candidate_set_change():
     wrr = SmoothWeightedRoundRobin()
-    first = [Candidate("a", 1.0), Candidate("b", 2.0), Candidate("c", 3.0)]
+    first = [_answered("a", 1.0), _answered("b", 2.0), _answered("c", 3.0)]
     for _ in range(4):
         wrr.pick(first)
-    second = [Candidate("b", 2.0), Candidate("c", 3.0), Candidate("d", 5.0)]
+    second = [_answered("b", 2.0), _answered("c", 3.0), _answered("d", 5.0)]
     picks = Counter(wrr.pick(second) for _ in range(100))
     assert set(picks) == {"b", "c", "d"}
     for c in second:
@@ -114,8 +126,109 @@ def test_a_huge_announced_throughput_buys_a_bounded_share() -> None:
     """A peer announcing 10^9 samples/s beside an honest server at 20 is credited with 4 x 20 at most: it
     gets ~80% of the picks, not all of them (and failing calls get it banned besides)."""
     rng = random.Random(0)
-    candidates = [Candidate("honest", 20.0), Candidate("liar", 1e9)]
+    candidates = [_answered("honest", 20.0), _answered("liar", 1e9)]
     assert throughput_cap(candidates) == 80.0
     picks = [choose_server(candidates, rng) for _ in range(4000)]
     assert 0.75 < picks.count("liar") / len(picks) < 0.85
     assert throughput_cap([Candidate("alone", 1e9)]) == math.inf  # nothing to compare with
+
+
+def _counts(candidates, seed: int) -> Counter:
+    rng = random.Random(seed)
+    return Counter(choose_server(candidates, rng) for _ in range(PICKS))
+
+
+def _close(a: int, b: int) -> bool:
+    """Whether two pick counts of one multinomial draw differ by no more than chance allows: the variance of
+    their difference is at most their sum, so 4 standard deviations (a false alarm about once in 16,000)."""
+    return abs(a - b) <= 4 * math.sqrt(a + b)
+
+
+def test_a_newcomer_announcing_1000x_counts_as_the_median_server_until_it_answers() -> None:
+    honest = [_answered("s10", 10.0), _answered("s20", 20.0), _answered("s30", 30.0)]
+    newcomer = Candidate("new", 20_000.0)
+    counts = _counts([*honest, newcomer], seed=3)
+    assert _close(counts["new"], counts["s20"]), counts
+    assert _close(counts["new"], PICKS // 4), counts  # weights 10, 20, 30 and 20: a quarter of the picks
+    wrr = SmoothWeightedRoundRobin()
+    cycle = Counter(wrr.pick([*honest, newcomer]) for _ in range(80))  # weights sum to 80
+    assert cycle["new"] == cycle["s20"] == 20
+    # once it has answered, the usual cap applies: 4 x the lower median, 80 of 140
+    counts = _counts([*honest, _answered("new", 20_000.0)], seed=4)
+    assert _close(counts["new"], PICKS * 80 // 140), counts
+
+
+def test_unanswered_identities_cannot_raise_the_yardstick() -> None:
+    """Fifty fresh identities announcing 10^9 beside three answered servers at 20: each is credited with
+    20, as an honest server is, and a lone answered liar cannot raise the figure for an untried honest peer."""
+    honest = [_answered(f"h{i}", 20.0) for i in range(3)]
+    sybils = [Candidate(f"x{i}", 1e9) for i in range(50)]
+    assert typical_throughput([*honest, *sybils]) == 20.0
+    wrr = SmoothWeightedRoundRobin()
+    picks = Counter(wrr.pick([*honest, *sybils]) for _ in range(53 * 4))
+    assert set(picks.values()) == {4}
+    liar_first = [_answered("liar", 1e9), Candidate("honest", 20.0)]
+    assert typical_throughput(liar_first) == 20.0
+    wrr = SmoothWeightedRoundRobin()
+    assert Counter(wrr.pick(liar_first) for _ in range(100)) == {"liar": 80, "honest": 20}
+
+
+@pytest.mark.parametrize("latencies", [(1.0, 1.0, 1.0, 1.0), (0.5, 0.5, 0.5, 0.5), (1.0, 1.0, 1.0, 0.9)])
+def test_honest_equal_servers_keep_equal_shares(latencies) -> None:
+    """Equal latencies change nothing; a server measured faster than the median is not rewarded for it
+    (only announcements credit a server, latency only discounts)."""
+    candidates = [_answered(f"s{i}", 10.0, latency) for i, latency in enumerate(latencies)]
+    counts = _counts(candidates, seed=5)
+    assert all(_close(counts[c.peer_id], PICKS // 4) for c in candidates), counts
+    wrr = SmoothWeightedRoundRobin()
+    assert Counter(wrr.pick(candidates) for _ in range(40)) == {c.peer_id: 10 for c in candidates}
+
+
+def test_a_server_measured_10x_slower_loses_most_of_its_share() -> None:
+    candidates = [_answered("a", 10.0), _answered("b", 10.0), _answered("c", 10.0), _answered("slow", 10.0, 10.0)]
+    counts = _counts(candidates, seed=6)
+    assert _close(counts["slow"], PICKS // 31), counts  # weight 10 / 10 against 3 x 10
+    assert counts["slow"] < PICKS / 25  # from a quarter of the picks
+    wrr = SmoothWeightedRoundRobin()
+    assert Counter(wrr.pick(candidates) for _ in range(31)) == {"a": 10, "b": 10, "c": 10, "slow": 1}
+    # with two servers the lower median is the faster one's: the slow one cannot pull the yardstick up
+    assert routing_weight(_answered("slow", 10.0, 10.0), Yardsticks(latency=1.0)) == pytest.approx(1.0)
+
+
+def test_latency_is_relative_to_the_stage_per_method() -> None:
+    """A server that only ran backwards (twice a forward's time) measures as fast as one that only ran
+    forwards; one twice as slow at both measures twice as slow."""
+    measured = ServerLatencies()
+    assert measured.latency("fwd") is None
+    for _ in range(10):
+        measured.answered("fwd", "forward", 0.1)
+        measured.answered("bwd", "backward", 0.2)
+        measured.answered("mixed", "forward", 0.1)
+        measured.answered("mixed", "backward", 0.2)
+    assert measured.latency("fwd") == measured.latency("bwd") == measured.latency("mixed") == pytest.approx(1.0)
+    for _ in range(20):
+        measured.answered("slow", "forward", 0.2)
+        measured.answered("slow", "backward", 0.4)
+        measured.answered("fwd", "forward", 0.1)
+        measured.answered("bwd", "backward", 0.2)
+    assert measured.latency("slow") > 1.5 * measured.latency("fwd")
+    with pytest.raises(ValueError):
+        measured.answered("fwd", "forward", -1.0)
+
+
+def test_failures_count_as_the_longest_wait_once_a_server_has_answered() -> None:
+    measured = ServerLatencies()
+    measured.answered("liar", "forward", 0.1)
+    measured.failed("liar", "forward", 5.0)  # a timeout: 50 times the stage's typical forward
+    assert measured.latency("liar") == pytest.approx(1.0 + 0.25 * 49)
+    measured.failed("stranger", "forward", 5.0)  # never answered: the newcomer cap and its ban bound it
+    measured.failed("liar", "backward", 5.0)  # no backward answered yet: nothing to compare with
+    assert measured.latency("stranger") is None
+    assert measured.latency("liar") == pytest.approx(1.0 + 0.25 * 49)
+    # beside an honest server it falls from 80% of the picks (credited 4 x 20) to 80 / 13.25 against 20
+    candidates = [_answered("honest", 20.0), _answered("liar", 1e9, measured.latency("liar"))]
+    counts = _counts(candidates, seed=7)
+    assert _close(counts["liar"], round(PICKS * (80 / 13.25) / (80 / 13.25 + 20))), counts
+    assert counts["liar"] < PICKS / 4
+    measured.failed("liar", "forward", 5.0)  # and each further failure takes more
+    assert measured.latency("liar") > 20

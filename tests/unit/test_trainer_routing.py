@@ -1,4 +1,5 @@
-"""The trainer's server choice per stage follows `trainer.routing`, with bans and preferences."""
+"""The trainer's server choice per stage follows `trainer.routing`, with bans and preferences, and the
+latencies it measures per server from its own calls."""
 
 from __future__ import annotations
 
@@ -7,27 +8,91 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from swarm.config import agreed, config_hash, load_config
+from swarm.net.transport import CallFailed
 from swarm.trainer.calls import StageCaller
 from swarm.trainer.view import SwarmView
 from swarm.wire.records import ServerRecord
 
 
-def _trainer(routing: str) -> StageCaller:
-    cfg = load_config(overrides=[f'trainer.routing="{routing}"', "model.num_stages=2"])
+def _trainer(routing: str, servers=(("a", 1.0), ("b", 3.0)), client=None, *overrides: str) -> StageCaller:
+    cfg = load_config(overrides=[f'trainer.routing="{routing}"', "model.num_stages=2", *overrides])
     view = SwarmView(2, config_hash(cfg), agreed(cfg), 1.0)
-    view.servers[0] = [
-        ServerRecord(peer, 0, throughput, 0, 0, 0, config_hash(cfg), {})
-        for peer, throughput in (("a", 1.0), ("b", 3.0))
-    ]
-    return StageCaller(cfg.trainer, None, None, view, config_hash(cfg), 1.0, random.Random(0), asyncio.Event())
+    view.servers[0] = [ServerRecord(peer, 0, throughput, 0, 0, 0, config_hash(cfg), {}) for peer, throughput in servers]
+    return StageCaller(cfg.trainer, client, None, view, config_hash(cfg), 1.0, random.Random(0), asyncio.Event())
+
+
+class _FakeClient:
+    """Answers each server's calls after that server's delay; servers in `failing` time out instead."""
+
+    def __init__(self, delays: dict[str, float]):
+        self.delays = delays
+        self.failing: set[str] = set()
+        self.calls: Counter = Counter()
+
+    async def call(self, peer, method, meta, tensors, timeout):
+        self.calls[peer] += 1
+        await asyncio.sleep(self.delays[peer])
+        if peer in self.failing:
+            raise CallFailed(f"{method} timed out", timed_out=True)
+        return {"epoch": 0}, []
 
 
 def test_round_robin_routing_gives_exact_shares_per_cycle():
     trainer = _trainer("wrr")
+    for peer in ("a", "b"):  # both have answered: their announcements count in full
+        trainer.measured[0].answered(peer, "forward", 0.1)
     picks = Counter(trainer.pick(0, None) for _ in range(400))
     assert picks == {"a": 100, "b": 300}
+
+
+def test_an_untried_server_counts_as_the_lower_median():
+    trainer = _trainer("wrr", (("a", 1.0), ("b", 3.0), ("new", 1000.0)))
+    trainer.measured[0].answered("a", "forward", 0.1)
+    trainer.measured[0].answered("b", "forward", 0.1)
+    assert Counter(trainer.pick(0, None) for _ in range(500)) == {"a": 100, "b": 300, "new": 100}
+
+
+def test_the_trainer_measures_each_server_from_its_calls_and_routes_around_a_slow_one():
+    client = _FakeClient({"a": 0.002, "b": 0.002, "slow": 0.1})
+    trainer = _trainer("wrr", (("a", 1.0), ("b", 1.0), ("slow", 1.0)), client)
+
+    async def calls() -> None:
+        for i in range(6):
+            for peer in ("a", "b", "slow"):
+                served = await trainer.call(0, "forward", f"r{peer}{i}", [torch.zeros(1)], prefer=peer)
+                assert served.peer == peer
+
+    asyncio.run(calls())
+    assert client.calls == {"a": 6, "b": 6, "slow": 6}
+    measured = trainer.measured[0]
+    assert measured.latency("slow") > 4 * max(measured.latency("a"), measured.latency("b"))
+    picks = Counter(trainer.pick(0, None) for _ in range(300))
+    assert picks["slow"] < 300 / 3 / 4, picks  # from a third of the picks
+    assert abs(picks["a"] - picks["b"]) <= 1, picks
+
+
+def test_a_server_that_answered_then_times_out_loses_its_weight():
+    """It announces 10^6 (credited 4 x 1), answers once, then times out: each timeout counts as the call's
+    whole timeout, it is banned (as before), and once the ban is over it gets a small share."""
+    client = _FakeClient({"honest": 0.002, "liar": 0.002})
+    trainer = _trainer("wrr", (("honest", 1.0), ("liar", 1e6)), client, "trainer.ban_seconds=0.0")
+
+    async def calls() -> None:
+        for i in range(4):
+            await trainer.call(0, "forward", f"h{i}", [torch.zeros(1)], prefer="honest")
+        await trainer.call(0, "forward", "l0", [torch.zeros(1)], prefer="liar")
+        client.failing.add("liar")
+        served = await trainer.call(0, "forward", "l1", [torch.zeros(1)], prefer="liar")
+        assert served.peer == "honest"
+
+    asyncio.run(calls())
+    assert client.calls["liar"] >= 2 and trainer.retries >= 1
+    assert trainer.measured[0].latency("liar") > 100  # a 5 s timeout against calls of a few ms
+    picks = Counter(trainer.pick(0, None) for _ in range(100))
+    assert picks["liar"] <= 1, picks  # 4 / (latency ratio) against 1: from 80% of the picks
 
 
 @pytest.mark.parametrize("routing", ["random", "wrr"])

@@ -94,7 +94,8 @@ class BackupConfig:
     def __post_init__(self) -> None:
         require(self.every > 0, "backup.every", f"must be positive, got {self.every}")
         require(self.holders >= 0, "backup.holders", f"must be >= 0, got {self.holders}")
-        require(self.period > 0, "backup.period", "must be positive")
+        require(0 < self.period <= 120, "backup.period", "must be in (0, 120] s: backup records live "
+                "net.record_ttl + 2 periods, and signed records 600 s at most")
         require(self.max_mb >= 0, "backup.max_mb", "must be >= 0")
         require(self.download_timeout > 0, "backup.download_timeout", "must be positive")
 

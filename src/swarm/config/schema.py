@@ -26,6 +26,7 @@ __all__ = [
 
 # /ip4/ADDR/tcp/PORT, /ip6/..., /dns/NAME/tcp/PORT; the port captured
 _MADDR = re.compile(r"/(?:ip4|ip6|dns|dns4|dns6)/[^/]+/tcp/(\d+)(?:/.*)?")
+MAX_RECORD_TTL = 240.0  # seconds: with backup periods of up to 120 s, every signed record lives under 600 s
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,9 @@ class NetConfig:
             "net.record_ttl",
             f"must exceed net.announce_period ({self.record_ttl} <= {self.announce_period})",
         )
+        require(self.record_ttl <= MAX_RECORD_TTL, "net.record_ttl",
+                f"must be at most {MAX_RECORD_TTL:.0f} s: announcements are signed records, which every DHT node "
+                f"keeps for 600 s at most (got {self.record_ttl})")
         require(self.max_payload_mb > 0, "net.max_payload_mb", "must be positive")
         require(0 <= self.port < 65536, "net.port", f"must be a port number, got {self.port}")
         try:

@@ -8,7 +8,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 """
 
 from swarm.core.bans import BanList
-from swarm.core.delivery import LedgerAnswer, Verdict, judge, merge_answers
+from swarm.core.delivery import LedgerAnswer, LedgerReply, Verdict, judge, merge_answers
 from swarm.core.health import Diagnosis, ServerFigures, diagnose
 from swarm.core.partition import split_layers
 from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
@@ -30,6 +30,7 @@ __all__ = [
     "Diagnosis",
     "LatencyTracker",
     "LedgerAnswer",
+    "LedgerReply",
     "Move",
     "Seat",
     "ServerFigures",

@@ -30,23 +30,55 @@ class Verdict(Enum):
 
 @dataclass(frozen=True)
 class LedgerAnswer:
-    """One replica's answer about one microbatch."""
+    """What the replicas asked know of one microbatch."""
 
-    epoch: int  # the replica's epoch
-    committed_at: int | None  # the epoch of the step that took the microbatch in, if its ledger has it
-    pending: bool  # held in this replica's unstepped gradient
-    durable: int  # the newest epoch that outlives this replica: taken by two or more replicas, or on disk
+    epoch: int  # the most advanced replica's epoch
+    committed_at: int | None  # the epoch of the step that took the microbatch in, if a ledger has it
+    pending: bool  # held in its holder's unstepped gradient
+    durable: int  # the newest epoch that outlives the replica reporting the commit: taken by two or more
+    # replicas, or on disk
+    disputed: bool = False  # a replica that must know of the commit, had it happened, does not
+
+
+@dataclass(frozen=True)
+class LedgerReply:
+    """One replica's `ledger` reply, checked: a replica may lie or send garbage, and one malformed reply
+    must not keep the trainer from judging on the others."""
+
+    epoch: int
+    committed: dict[str, int]
+    pending: frozenset[str]
+    durable: int
+
+    @classmethod
+    def parse(cls, reply: object) -> LedgerReply | None:
+        """The reply's fields, typed; None if it is malformed."""
+        try:
+            committed, pending = reply["committed"], reply["pending"]
+            if not isinstance(committed, dict) or not isinstance(pending, list):
+                return None
+            fields = [reply["epoch"], reply["durable"], *committed.values()]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields):
+                return None
+            if not all(isinstance(r, str) for r in [*committed, *pending]):
+                return None
+            return cls(reply["epoch"], dict(committed), frozenset(pending), reply["durable"])
+        except (KeyError, TypeError):
+            return None
 
 
 def judge(
     accumulated_at: int, holder_alive: bool, answer: LedgerAnswer, keep_epochs: int = 4, need_durable: bool = True
 ) -> Verdict:
     """The verdict on a gradient accumulated at epoch `accumulated_at` by a replica that is (or not)
-    still in the stage's directory, given an answer from the most advanced replica of the stage.
+    still in the stage's directory, given what the replicas asked answered.
 
     `need_durable` False accepts any commit: at the end of a run nothing more is coming to make the
-    last steps durable.
+    last steps durable. A disputed commit is waited on: neither forgetting the gradient (it may never
+    have been stepped) nor sending it again (it may have been) is safe until the replicas agree.
     """
+    if answer.disputed:
+        return Verdict.WAIT
     if answer.committed_at is not None:
         durable = answer.committed_at <= max(answer.durable, answer.epoch - keep_epochs) or not need_durable
         return Verdict.DONE if durable else Verdict.WAIT
@@ -57,13 +89,27 @@ def judge(
     return Verdict.WAIT
 
 
-def merge_answers(answers: list[dict], req: str) -> LedgerAnswer:
-    """What the replicas asked (their `ledger` replies) know of one microbatch: the most advanced
-    epoch, a commit or a hold anywhere, and the durability of the replica that reported the commit."""
-    committed = [(int(a["committed"][req]), int(a["durable"])) for a in answers if req in a.get("committed", {})]
+def merge_answers(answers: dict[str, LedgerReply], req: str, holder: str, keep_epochs: int) -> LedgerAnswer:
+    """What the replicas asked (peer -> its reply) know of one microbatch held by `holder`.
+
+    A replica can lie, so no single reply decides alone where another can check it:
+    - a microbatch is pending only in its holder's gradient: another replica's "pending" is ignored;
+    - every replica that took the step of a commit, or later loaded the state of one that did, lists it
+      for `keep_epochs` epochs (see swarm.core.ledger): one at an epoch in that span that lists it
+      neither committed nor pending disputes a claim of it committed;
+    - the earliest commit claimed counts, with the durability its claimant reports."""
+    if not answers:
+        raise ValueError("no answers to merge")
+    claims = {peer: (a.committed[req], a.durable) for peer, a in answers.items() if req in a.committed}
+    committed_at = min(claims.values())[0] if claims else None
+    disputed = committed_at is not None and any(
+        committed_at <= a.epoch < committed_at + keep_epochs and req not in a.pending
+        for peer, a in answers.items() if peer not in claims
+    )
     return LedgerAnswer(
-        epoch=max(int(a["epoch"]) for a in answers),
-        committed_at=min(committed)[0] if committed else None,
-        pending=any(req in a.get("pending", []) for a in answers),
-        durable=max((d for _, d in committed), default=max(int(a["durable"]) for a in answers)),
+        epoch=max(a.epoch for a in answers.values()),
+        committed_at=committed_at,
+        pending=holder in answers and req in answers[holder].pending,
+        durable=min(d for _, d in claims.values()) if claims else max(a.durable for a in answers.values()),
+        disputed=disputed,
     )

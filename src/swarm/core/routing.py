@@ -1,7 +1,11 @@
 """Stochastic wiring: which server of a stage gets the next request.
 
 Two pickers share one weight, `routing_weight`: announced throughput discounted by the work already
-waiting there, so a fast but congested server does not keep attracting requests.
+waiting there, so a fast but congested server does not keep attracting requests. The announcement is a
+claim anyone can make, so it is bounded three ways, each against figures of the same stage
+(`Yardsticks`): by a multiple of the stage's typical announcement (`throughput_cap`); by the typical
+announcement itself while the caller has had no answer from the server (a newcomer's figure is unproven);
+and by the latency the caller measured there (`ServerLatencies`).
 
 * `choose_server` draws at random. Prefer it whenever many trainers route independently: each one
   sees the same announcements, and a deterministic rule would send all of them to the same server at
@@ -24,6 +28,9 @@ _MIN_WEIGHT = 1e-9
 # An announced throughput counts for at most this many times the stage's (lower) median: a server that
 # announces a billion samples/s gets a bounded share, not all the traffic. Real servers rarely differ more.
 MAX_THROUGHPUT_RATIO = 4.0
+# Smoothing of measured latencies: a server gets only its share of a caller's calls, so its figure must
+# follow it within a few of them (about 1 / alpha), yet one slow call must not halve its traffic.
+LATENCY_ALPHA = 0.25
 
 
 @dataclass(frozen=True)
@@ -34,29 +41,123 @@ class Candidate:
     throughput: float  # samples/s the server announced
     queue: int = 0  # requests waiting at the server, as announced
     inflight: int = 0  # requests this caller has outstanding there
+    latency: float | None = None  # measured by this caller (see ServerLatencies); None: it never answered us
+
+
+@dataclass(frozen=True)
+class Yardsticks:
+    """What each server of a pool is weighed against, worked out once per pick from the whole pool."""
+
+    unannounced: float = 1.0  # throughput assumed for a server that announced none (or a bogus one)
+    cap: float = math.inf  # the most throughput any server is credited with
+    unanswered_cap: float = math.inf  # the most credited to a server that never answered this caller
+    latency: float | None = None  # the lower median of the measured latencies; None: none measured
+
+
+class ServerLatencies:
+    """One caller's measured latency of each server of one stage, to check announcements against.
+
+    Under throughput-proportional routing, honest servers' latencies even out: each gets calls in
+    proportion to what it can serve (and the load discount evens out the rest). A server that announces
+    more than it serves attracts more calls than it can serve, and its latency shows it; one that fails
+    its calls shows it too (see `failed`). Latency is evidence a server cannot fake downwards: only its
+    answer ends a call. Where honest latencies do differ (a slow server's single call takes longer even
+    when idle), dividing the slower one's weight moves calls to the others until their latencies rise to
+    meet it, so a caller's calls wait about as long wherever they go.
+
+    A server's figure is an EWMA of its calls' seconds, each divided by the stage's typical seconds for
+    the same method (an EWMA over every answer from the stage, whichever server gave it): a forward and
+    a backward then weigh alike, and the figure reads "k times as slow as usual" whatever mix of methods
+    the server happened to get. Only an answer creates a server's entry, so identities that never answer
+    cost no memory here.
+    """
+
+    def __init__(self, alpha: float = LATENCY_ALPHA) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self._typical: dict[str, float] = {}  # method -> smoothed seconds of the stage's answered calls
+        self._relative: dict[str, float] = {}  # peer -> smoothed seconds per call / the typical ones
+
+    def answered(self, peer: str, method: str, seconds: float) -> None:
+        """A call to `peer` answered after `seconds`."""
+        if seconds < 0:
+            raise ValueError(f"latency must be >= 0, got {seconds}")
+        typical = self._typical.get(method, seconds)
+        self._typical[method] = typical = typical + self.alpha * (seconds - typical)
+        self._fold(peer, seconds / typical if typical > 0 else 1.0)
+
+    def failed(self, peer: str, method: str, seconds: float) -> None:
+        """A call to `peer` that failed, counted as lasting `seconds`: the caller passes the longest it
+        would have waited for an answer, so failing fast never reads as serving fast. Ignored for a server
+        that never answered (the newcomer cap and the caller's ban already bound it) and until the stage
+        has answered such a call (nothing to compare with)."""
+        typical = self._typical.get(method)
+        if peer in self._relative and typical:
+            self._fold(peer, max(seconds, 0.0) / typical)
+
+    def latency(self, peer: str) -> float | None:
+        """`peer`'s smoothed latency relative to the stage's; None until it has answered a call."""
+        return self._relative.get(peer)
+
+    def _fold(self, peer: str, ratio: float) -> None:
+        old = self._relative.get(peer)
+        self._relative[peer] = ratio if old is None else old + self.alpha * (ratio - old)
 
 
 def unmeasured_throughput(candidates: Sequence[Candidate]) -> float:
     """Throughput to assume for a server that has not announced one yet.
 
-    The median of the measured ones makes a newcomer look like a typical server: it gets enough
+    The median of the announced ones makes a newcomer look like a typical server: it gets enough
     traffic to be measured quickly, yet cannot capture everything the way an optimistic guess would.
     """
-    measured = [c.throughput for c in candidates if _is_measured(c.throughput)]
-    return statistics.median(measured) if measured else 1.0
+    announced = [c.throughput for c in candidates if _is_announced(c.throughput)]
+    return statistics.median(announced) if announced else 1.0
+
+
+def typical_throughput(candidates: Sequence[Candidate]) -> float | None:
+    """The stage's typical announced throughput, which the caps are multiples of: the lower median (with
+    two servers, the honest one's figure bounds the other's), over all the servers and over those that
+    answered this caller, whichever is lower. Identities that never answered cannot raise it however many
+    of them announce big figures, and a lone server that answered cannot raise it for its untried peers.
+    None when no server announced a usable figure."""
+    announced = [c for c in candidates if _is_announced(c.throughput)]
+    if not announced:
+        return None
+    answered = [c.throughput for c in announced if c.latency is not None]
+    typical = statistics.median_low([c.throughput for c in announced])
+    return min(typical, statistics.median_low(answered)) if answered else typical
 
 
 def throughput_cap(candidates: Sequence[Candidate]) -> float:
-    """The most throughput one server of the stage is credited with (see MAX_THROUGHPUT_RATIO). The lower
-    median: with two servers, the honest one's figure bounds the other's."""
-    measured = [c.throughput for c in candidates if _is_measured(c.throughput)]
-    return MAX_THROUGHPUT_RATIO * statistics.median_low(measured) if len(measured) > 1 else math.inf
+    """The most throughput one server of the stage is credited with (see MAX_THROUGHPUT_RATIO); no bound
+    when fewer than two servers announced a figure (nothing to compare with)."""
+    typical = typical_throughput(candidates)
+    announced = sum(_is_announced(c.throughput) for c in candidates)
+    return MAX_THROUGHPUT_RATIO * typical if typical is not None and announced > 1 else math.inf
 
 
-def routing_weight(c: Candidate, unmeasured: float = 1.0, cap: float = math.inf) -> float:
-    """Throughput (at most `cap`) discounted by load; `unmeasured` stands in for a throughput of 0 (or a
-    bogus one)."""
-    rate = min(c.throughput, cap) if _is_measured(c.throughput) else unmeasured
+def yardsticks(candidates: Sequence[Candidate]) -> Yardsticks:
+    """The yardsticks of a pool: both pickers weigh its servers against the same figures."""
+    typical = typical_throughput(candidates)
+    latencies = [c.latency for c in candidates if _is_latency(c.latency)]
+    return Yardsticks(
+        unannounced=unmeasured_throughput(candidates),
+        cap=throughput_cap(candidates),
+        unanswered_cap=math.inf if typical is None else typical,
+        latency=statistics.median_low(latencies) if latencies else None,
+    )
+
+
+def routing_weight(c: Candidate, sticks: Yardsticks = Yardsticks()) -> float:
+    """Announced throughput, at most `sticks.cap` (at most `sticks.unanswered_cap` until the server has
+    answered us), divided by k when its measured latency is k > 1 times the stage's, and discounted by
+    load. A bogus announcement (0, negative, not finite) counts as `sticks.unannounced`."""
+    rate = min(c.throughput, sticks.cap) if _is_announced(c.throughput) else sticks.unannounced
+    if c.latency is None:
+        rate = min(rate, sticks.unanswered_cap)
+    elif sticks.latency is not None and _is_latency(c.latency):
+        rate *= min(1.0, sticks.latency / c.latency)
     return max(rate, _MIN_WEIGHT) / (1 + max(c.queue, 0) + max(c.inflight, 0))
 
 
@@ -67,8 +168,8 @@ def choose_server(
     pool = [c for c in candidates if c.peer_id not in banned]
     if not pool:
         return None
-    default, cap = unmeasured_throughput(pool), throughput_cap(pool)
-    weights = [routing_weight(c, default, cap) for c in pool]
+    sticks = yardsticks(pool)
+    weights = [routing_weight(c, sticks) for c in pool]
     return rng.choices(pool, weights=weights)[0].peer_id
 
 
@@ -89,10 +190,10 @@ class SmoothWeightedRoundRobin:
         self._credit = {p: v for p, v in self._credit.items() if p in present}
         if not pool:
             return None
-        default, cap = unmeasured_throughput(pool), throughput_cap(pool)
+        sticks = yardsticks(pool)
         total = 0.0
         for c in pool:
-            weight = routing_weight(c, default, cap)
+            weight = routing_weight(c, sticks)
             self._credit[c.peer_id] = self._credit.get(c.peer_id, 0.0) + weight
             total += weight
         best = max(pool, key=lambda c: self._credit[c.peer_id]).peer_id
@@ -100,5 +201,9 @@ class SmoothWeightedRoundRobin:
         return best
 
 
-def _is_measured(throughput: float) -> bool:
+def _is_announced(throughput: float) -> bool:
     return math.isfinite(throughput) and throughput > 0
+
+
+def _is_latency(latency: float | None) -> bool:
+    return latency is not None and math.isfinite(latency) and latency > 0

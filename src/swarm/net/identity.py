@@ -30,6 +30,9 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 SIGNATURE_MARK = b"[sig:"
 SIGNATURE_BYTES = len(SIGNATURE_MARK) + 88 + 1  # the mark, 64 bytes in base64, "]"
 MAX_LIFETIME = 31 * 24 * 3600.0  # seconds any record may be stored for (the longest we write: 30 days)
+# seconds a peer's signed record may be stored for: announcements, renewed every few seconds. Short, so that
+# identities that stop renewing (a flood of them, see swarm.net.storage) leave the keys they filled soon
+SIGNED_LIFETIME = 600.0
 
 
 class IdentityError(ValueError):
@@ -84,7 +87,8 @@ def public_key_of(peer_id: str) -> Ed25519PublicKey | None:
 
 
 class PeerSignatures(RecordValidatorBase):
-    """Records whose subkey is a peer id must be signed by that peer; no record may outlive MAX_LIFETIME."""
+    """Records whose subkey is a peer id must be signed by that peer and live at most SIGNED_LIFETIME; no
+    record may outlive MAX_LIFETIME."""
 
     def __init__(self, key: Ed25519PrivateKey):
         self._key = key
@@ -108,6 +112,8 @@ class PeerSignatures(RecordValidatorBase):
         owner = _owner(record.subkey)
         if owner is None:
             return True  # not a peer's own record
+        if record.expiration_time > get_dht_time() + SIGNED_LIFETIME:
+            return False
         value, signature = _split(record.value)
         if signature is None:
             return False

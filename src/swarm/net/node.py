@@ -22,6 +22,7 @@ from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
 from swarm.net.protocol import bound_stream_messages
 from swarm.net.secret import SealedRecords, SwarmSecret, load_secret
+from swarm.net.storage import bound_dht_storage
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     the main thread, whose exit ends them). Client-mode peers (trainers, `swarm status`) reach others but
     are not reachable, which is what lets them work from behind a NAT."""
     bound_stream_messages()
+    bound_dht_storage()
     secret = load_secret(net.secret_path)
     if net.identity_path:
         path, key = Path(net.identity_path), load_or_create(Path(net.identity_path))

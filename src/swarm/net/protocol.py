@@ -29,10 +29,14 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
+from swarm.net.quiet import Quiet
 from swarm.wire import codecs
 from swarm.wire.validate import BadRequest
 
 log = logging.getLogger(__name__)
+# hivemind's stream readers, which these lines come from, do not know the peer: the limit is global
+_quiet = Quiet(log)
+OVERSIZED, MALFORMED = "oversized stream messages", "malformed stream messages"  # kinds of line in _quiet
 CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024  # a little under the 4 MiB cap, leaving room for framing
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # a stream message declaring more is cut off before it is read
 MAX_TENSORS = 1 << 14  # tensors (and raw parts) one payload may carry: a stage's state has a few per layer
@@ -226,7 +230,7 @@ def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
     header could make a peer allocate gigabytes; and it logs a traceback for every message that does not
     parse, which a stranger could send by the thousand. Every message this protocol sends is under
     `CHUNK_BYTES` plus framing; a longer one, or garbage, ends its stream (both directions: requests
-    served and replies read) with one line in the log."""
+    served and replies read) with one line in the log, a few per minute at most (`Quiet`)."""
     if getattr(P2P.receive_raw_data, "bounded", None) == limit:
         return
 
@@ -234,7 +238,7 @@ def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
         header = await reader.readexactly(P2P.HEADER_LEN)
         length = int.from_bytes(header, P2P.BYTEORDER)
         if length > limit:
-            log.warning("stream message of %d bytes cut off (limit %d)", length, limit)
+            _quiet.warning(OVERSIZED, "stream message of %d bytes cut off (limit %d)", length, limit)
             raise asyncio.IncompleteReadError(b"", length)
         return await reader.readexactly(length)
 
@@ -242,7 +246,7 @@ def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
         try:
             return await parse(input_type, reader)
         except (DecodeError, TypeError) as e:  # TypeError: hivemind's own for an unknown message marker
-            log.warning("malformed stream message: %s", type(e).__name__)
+            _quiet.warning(MALFORMED, "malformed stream message: %s", type(e).__name__)
             raise asyncio.IncompleteReadError(b"", None) from e
 
     receive_raw_data.bounded = limit

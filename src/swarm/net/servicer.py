@@ -4,6 +4,13 @@ Handlers are thin: decode, hand to the server's `StageHandler`, encode. A failur
 reply (`{"error": ..., "refused": ...}` in the metadata) rather than an exception crossing hivemind:
 the caller learns whether the server refused the request itself (`BadRequest`: retrying elsewhere
 will not help) or failed to serve it (retry elsewhere), and the server keeps serving.
+
+One peer may have at most `max_calls_per_peer` calls in flight here: hivemind and libp2p bound nothing per
+peer, and every call holds a stream and, once read, up to `net.max_payload_mb` of request. A call past the
+limit is answered at once, before a byte of its request is read. Honest peers stay far below it: a trainer
+has at most `trainer.max_inflight` microbatches in flight (each at one stage at a time; 4 by default, 16 in
+the largest setting used here), plus replays of lost gradients and a ledger query; a replica makes one
+`reduce` call per owner per round and downloads states one at a time.
 """
 
 from __future__ import annotations
@@ -22,12 +29,18 @@ from swarm.net.directory import short
 from swarm.net.faultfile import FaultFile
 from swarm.net.join import NotMember
 from swarm.net.protocol import Item, Traffic, decode, encode
+from swarm.net.quiet import Quiet
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.wire.codecs import EXACT, Policy
 from swarm.wire.validate import BadRequest, Unavailable
 
 log = logging.getLogger(__name__)
 MAX_STRANGERS_LOGGED = 1024  # callers without the secret named in the log (each once); beyond, silence
+# calls one peer may have in flight: well above an honest peer's (see the module's docstring), and a bound of
+# this many times `net.max_payload_mb` on what one peer can make the server hold
+MAX_CALLS_PER_PEER = 64
+# kinds of log line a peer can provoke at will, a few per minute each (`Quiet`)
+OVER_LIMIT, STRANGERS, FAILURES = "calls over the per-peer limit", "callers without the secret", "handler failures"
 
 Reply = tuple[dict[str, Any], Sequence[Item]]
 Handler = Callable[[dict[str, Any], list[torch.Tensor], str], Awaitable[Reply]]
@@ -55,10 +68,16 @@ class StageHandler(Protocol):
 
 class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler, faults: FaultFile | None = None, policy: Policy = EXACT,
-                 traffic: Traffic | None = None, delay: float = 0.0, secret: SwarmSecret | None = None):
+                 traffic: Traffic | None = None, delay: float = 0.0, secret: SwarmSecret | None = None,
+                 max_calls_per_peer: int = MAX_CALLS_PER_PEER, quiet: Quiet | None = None):
         self.handler = handler
         self.secret = secret
         self._strangers: set[str] = set()  # callers refused for want of the secret (each logged once)
+        self.max_calls_per_peer = max_calls_per_peer
+        # caller -> its calls in flight; an entry goes when its count returns to 0, so the dict never
+        # holds more entries than there are calls in flight
+        self.calls: dict[str, int] = {}
+        self.quiet = quiet or Quiet(log)
         self.faults = faults
         self.delay = delay  # seconds before serving a request: half of an emulated round trip
         self.policy = policy
@@ -66,6 +85,38 @@ class StageServicer(ServicerBase):
 
     async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
         caller = context.remote_id.to_base58()
+        name = getattr(handler, "__name__", str(handler))
+        in_flight = self.calls.get(caller, 0)
+        if in_flight >= self.max_calls_per_peer:
+            self.quiet.warning(OVER_LIMIT, "%s from %s refused unread: %d calls of that peer in flight (limit %d)",
+                               name, short(caller), in_flight, self.max_calls_per_peer)
+            if self.secret is not None:
+                # in a private swarm a stranger gets no answer at all, and telling one from a member would
+                # mean reading its request: past the limit nobody is answered (the stream just ends)
+                return
+            # refused False: the server is busy, the request itself is fine. The trainer then bans this
+            # server for a while and sends the call elsewhere (an accumulating call is retried until it
+            # lands); refused True would count as the stage refusing the request, which gives up the
+            # microbatch once as many servers as the stage has refused it, and an all-reduce member would
+            # take this owner for one that refuses its part
+            reply: Reply = {"error": f"too many calls in flight from {short(caller)} (limit "
+                                     f"{self.max_calls_per_peer}); try again later or elsewhere",
+                            "refused": False}, []
+            for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, self.traffic):
+                yield msg
+            return
+        self.calls[caller] = in_flight + 1
+        try:
+            async for msg in self._serve_admitted(handler, name, requests, context, caller):
+                yield msg
+        finally:
+            left = self.calls.pop(caller) - 1
+            if left:
+                self.calls[caller] = left
+
+    async def _serve_admitted(self, handler: Handler, name: str, requests: Requests, context: P2PContext,
+                              caller: str) -> Responses:
+        """One call within its caller's limit: decode, handle, encode the reply or the error."""
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.faults is not None:
@@ -77,15 +128,17 @@ class StageServicer(ServicerBase):
         except NotMember:
             if caller not in self._strangers and len(self._strangers) < MAX_STRANGERS_LOGGED:
                 self._strangers.add(caller)
-                log.warning("calls from %s refused: it does not hold this private swarm's secret", short(caller))
+                self.quiet.warning(STRANGERS, "calls from %s refused: it does not hold this private swarm's secret",
+                                   short(caller))
             return  # nothing at all is answered
         except BadRequest as e:
-            self.handler.refused(handler.__name__, caller, e)
+            self.handler.refused(name, caller, e)
             reply = {"error": str(e), "refused": True}, []
         except Unavailable as e:
             reply = {"error": str(e), "refused": False}, []
         except Exception as e:
-            log.exception("handler %s failed", getattr(handler, "__name__", handler))
+            if self.quiet.admit(FAILURES):  # a bug a peer can trigger at will: its traceback, a few a minute
+                log.exception("handler %s failed", name)
             reply = {"error": f"{type(e).__name__}: {e}", "refused": False}, []
         for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, self.traffic):
             yield msg

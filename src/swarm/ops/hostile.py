@@ -52,7 +52,8 @@ class Refuser:
     backward = state = reduce = ledger = backup = forward
 
 
-def _record(cfg, me: str, stage: int, **fields: Any) -> ServerRecord:
+def server_record(cfg, me: str, stage: int, **fields: Any) -> ServerRecord:
+    """A server record of `stage` as an honest replica of this config would write it, `fields` changed."""
     shared = agreed(cfg)
     base = dict(peer_id=me, stage=stage, throughput=20.0, queue=0, epoch=0, pending=0, config_hash=config_hash(cfg),
                 model=shared["model"], optim=shared["optim"], protocol=PROTOCOL_VERSION, capacity=20.0, tenure=60.0)
@@ -68,10 +69,10 @@ async def attack(kind: str, dht, cfg) -> None:
         await StageServicer(Refuser()).add_p2p_handlers(p2p)
     while True:
         if kind == "forged-record":
-            await directory.announce_server(_record(cfg, me, 1, throughput=1e9, capacity=1e9, epoch=10**9))
+            await directory.announce_server(server_record(cfg, me, 1, throughput=1e9, capacity=1e9, epoch=10**9))
         elif kind == "wrong-hash":
             for stage in range(cfg.model.num_stages):
-                await directory.announce_server(_record(cfg, me, stage, config_hash="0" * 16))
+                await directory.announce_server(server_record(cfg, me, stage, config_hash="0" * 16))
         elif kind == "junk-records":
             for stage in range(cfg.model.num_stages):
                 key = stage_key(cfg.net.run_id, stage)
@@ -81,7 +82,7 @@ async def attack(kind: str, dht, cfg) -> None:
             others = [r for r in await directory.stage(1) if r.peer_id != me]
             epoch = statistics.median_low([r.epoch for r in others]) if others else 0
             rate = statistics.median_low([r.throughput for r in others]) if others else 20.0
-            await directory.announce_server(_record(cfg, me, 1, epoch=epoch, throughput=rate, capacity=rate))
+            await directory.announce_server(server_record(cfg, me, 1, epoch=epoch, throughput=rate, capacity=rate))
         await asyncio.sleep(1.0)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from swarm.config import TrainerConfig
 from swarm.core import BanList, Candidate, LatencyTracker, SmoothWeightedRoundRobin, backoff_delay, choose_server
+from swarm.core.routing import ServerLatencies
 from swarm.net.directory import Directory, short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -68,6 +69,7 @@ class StageCaller:
         self.bans = BanList(tc.ban_seconds, tc.ban_seconds * 8)
         self.round_robin = [SmoothWeightedRoundRobin() for _ in range(view.num_stages)]
         self.latency = {(k, m): LatencyTracker() for k in range(view.num_stages) for m in ("forward", "backward")}
+        self.measured = [ServerLatencies() for _ in range(view.num_stages)]  # per server, to check announcements
         self.inflight: dict[str, int] = {}
         self._calls: dict[tuple[int, str], set[asyncio.Task]] = {}  # (stage, server) -> our calls waiting on it
         self._abandoned: set[asyncio.Task] = set()
@@ -79,8 +81,9 @@ class StageCaller:
         live = {r.peer_id: r for r in self.view.servers[stage]}
         if prefer in live and not self.bans.is_banned(prefer, now):
             return prefer
+        measured = self.measured[stage]
         candidates = [  # a server on its way to another stage takes no new work
-            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0))
+            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0), measured.latency(r.peer_id))
             for r in live.values() if not r.moving
         ]
         if self.tc.routing == "wrr":
@@ -150,6 +153,7 @@ class StageCaller:
             key = f"{call.stage}/{method}"
             self.call_seconds[key] = self.call_seconds.get(key, 0.0) + elapsed
         self.latency[call.stage, method].observe(elapsed)
+        self.measured[call.stage].answered(peer, method, elapsed)
         return reply
 
     def abandon_gone(self) -> None:
@@ -171,7 +175,7 @@ class StageCaller:
         tried.count += 1
         if error.refused:  # not applied: another server may take it; a server that refuses is banned all the same
             tried.refusals += 1
-            self.bans.ban(peer, time.monotonic())
+            self._fault(stage, method, peer, call, waited)
             if tried.refusals >= self.tc.max_attempts or len(self.view.servers[stage]) <= tried.refusals:
                 raise MicrobatchFailed(f"stage {stage} refused the request: {error}") from error
             log.info("stage %d %s refused by %s (%s); trying another server", stage, method, short(peer), error)
@@ -186,11 +190,19 @@ class StageCaller:
             if call.accumulate and not error.answered:
                 tried.holder = (peer, call.epoch)
             tried.repeat, tried.prefer = None, None
-            self.bans.ban(peer, time.monotonic())
+            self._fault(stage, method, peer, call, waited)
             log.info("stage %d %s on %s failed after %.1fs (%s); retrying elsewhere%s", stage, method, short(peer),
                      waited, error,
                      " for the input gradient only" if tried.holder else "")
         await asyncio.sleep(backoff_delay(min(tried.count, 6), 0.05, 2.0, self.rng))
+
+    def _fault(self, stage: int, method: str, peer: str, call: StageCall, waited: float) -> None:
+        """Ban a server that failed a call and count the call against its measured latency, as long as we
+        would have waited for it at least: a server announcing much and never answering then loses its
+        weight in routing as well as its turn (see `swarm.core.routing.ServerLatencies`). A broken
+        connection repeated on the same server is neither, until the repeat fails too."""
+        self.bans.ban(peer, time.monotonic())
+        self.measured[stage].failed(peer, method, max(waited, call.timeout))
 
     async def _wait_for_server(self, stage: int) -> None:
         servers = self.view.servers[stage]

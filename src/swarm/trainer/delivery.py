@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.config import TrainerConfig
-from swarm.core import Verdict, judge, merge_answers
+from swarm.core import LedgerReply, Verdict, judge, merge_answers
 from swarm.net.directory import short
 from swarm.net.transport import CallFailed, StageClient
 from swarm.trainer.calls import MicrobatchFailed, Served, StageCaller
@@ -64,21 +64,26 @@ class GradientKeeper:
                 log.warning("could not check the delivery of gradients: %s", e)
 
     async def _judge_all(self) -> None:
-        """Ask each stage's most advanced replica (and any other live holder) about our kept gradients."""
+        """Ask each stage's replicas about our kept gradients: the two most advanced (a second one checks
+        the first's claims, see `swarm.core.delivery.merge_answers`) and every live holder. Epochs far
+        ahead of what most replicas announce are not believed (see SwarmView.live_epoch)."""
         now = time.monotonic()
         for stage in range(self.view.num_stages):
             open_ = [g for g in self.kept.values() if g.stage == stage and not g.replaying and g.judge_after <= now]
-            live = {r.peer_id: r for r in self.view.servers[stage]}
+            live = self.view.servers[stage]
             if not open_ or not live:
                 continue
-            ask = {max(live.values(), key=lambda r: r.epoch).peer_id}
-            ask |= {g.holder for g in open_ if self.view.seen_lately(stage, g.holder)}
-            answers = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
-            answers = [a for a in answers if a is not None]
+            top = self.view.live_epoch(stage)
+            advanced = sorted((r for r in live if r.epoch <= top), key=lambda r: r.epoch, reverse=True)
+            ask = sorted({r.peer_id for r in advanced[:2]} | {g.holder for g in open_
+                                                                if self.view.seen_lately(stage, g.holder)})
+            replies = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
+            answers = {peer: reply for peer, reply in zip(ask, replies, strict=True) if reply is not None}
             if not answers:
                 continue
             for g in open_:
-                verdict = judge(g.epoch, self.view.seen_lately(stage, g.holder), merge_answers(answers, g.req),
+                verdict = judge(g.epoch, self.view.seen_lately(stage, g.holder),
+                                merge_answers(answers, g.req, g.holder, self.tc.keep_epochs),
                                 self.tc.keep_epochs, need_durable=not self.done())
                 if verdict is Verdict.DONE:
                     del self.kept[g.req, g.stage]
@@ -88,14 +93,17 @@ class GradientKeeper:
                     self._replaying.add(task)
                     task.add_done_callback(self._replaying.discard)
 
-    async def _ask_ledger(self, peer: str, stage: int, open_: list[KeptGradient]) -> dict | None:
+    async def _ask_ledger(self, peer: str, stage: int, open_: list[KeptGradient]) -> LedgerReply | None:
         query = LedgerQuery(stage, tuple(g.req for g in open_))
         try:
             reply, _ = await self.client.call(peer, "ledger", query.to_meta(), [], self.tc.min_request_timeout)
         except CallFailed as e:
             log.debug("ledger of %s did not answer: %s", short(peer), e)
             return None
-        return reply
+        parsed = LedgerReply.parse(reply)
+        if parsed is None:
+            log.debug("ledger of %s answered with a malformed reply", short(peer))
+        return parsed
 
     async def _replay(self, g: KeptGradient) -> None:
         """Accumulate a lost gradient again, from the stage inputs and output gradient we kept."""
