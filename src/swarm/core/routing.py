@@ -50,7 +50,9 @@ class Yardsticks:
 
     unannounced: float = 1.0  # throughput assumed for a server that announced none (or a bogus one)
     cap: float = math.inf  # the most throughput any server is credited with
-    unanswered_cap: float = math.inf  # the most credited to a server that never answered this caller
+    # the most credited to a server that never answered this caller: beside servers that did, all of them
+    # together count as one typical server, however many identities they are (see `yardsticks`)
+    unanswered_cap: float = math.inf
     latency: float | None = None  # the lower median of the measured latencies; None: none measured
 
 
@@ -138,13 +140,20 @@ def throughput_cap(candidates: Sequence[Candidate]) -> float:
 
 
 def yardsticks(candidates: Sequence[Candidate]) -> Yardsticks:
-    """The yardsticks of a pool: both pickers weigh its servers against the same figures."""
+    """The yardsticks of a pool: both pickers weigh its servers against the same figures.
+
+    Servers that never answered this caller share one typical server's weight while some have answered:
+    identities cost nothing, and a flood of them announcing good figures would otherwise take nearly all
+    the calls (each a failure and a ban). An honest newcomer still gets calls, and one answer lifts it out
+    of the pool. With none answered (a caller that just started), each counts as a typical server."""
     typical = typical_throughput(candidates)
     latencies = [c.latency for c in candidates if _is_latency(c.latency)]
+    unanswered = sum(c.latency is None for c in candidates)
+    answered = len(candidates) - unanswered
     return Yardsticks(
         unannounced=unmeasured_throughput(candidates),
         cap=throughput_cap(candidates),
-        unanswered_cap=math.inf if typical is None else typical,
+        unanswered_cap=math.inf if typical is None else typical / (max(unanswered, 1) if answered else 1),
         latency=statistics.median_low(latencies) if latencies else None,
     )
 
