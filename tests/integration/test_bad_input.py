@@ -76,7 +76,8 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
                 assert expected in str(info.value), (n, str(info.value))
                 errors.append(str(info.value))
                 # the same server answers the next good request
-                good = {"req": f"good{n}", "stage": stage, "config": good_hash}
+                # (for the input gradient only: accumulating needs a trainer's receipt, see swarm.net.receipts)
+                good = {"req": f"good{n}", "stage": stage, "config": good_hash, "accumulate": False}
                 if stage == 0:
                     reply, (out,) = await client.call(peers[0], "forward", good, [ids], 30)
                     assert out.shape == (2, seq, d) and torch.isfinite(out).all()
@@ -84,8 +85,8 @@ def test_bad_requests_are_refused_and_serving_goes_on(tmp_path):
                     reply, (grad,) = await client.call(peers[1], "forward", good, [hidden, ids], 30)
                     assert reply["loss"] > 0 and grad.shape == hidden.shape
             await _send_an_oversized_message(client.p2p, peers[1])
-            reply, _ = await client.call(peers[1], "forward", {"req": "after", "stage": 1, "config": good_hash},
-                                         [hidden, ids], 30)
+            after = {"req": "after", "stage": 1, "config": good_hash, "accumulate": False}
+            reply, _ = await client.call(peers[1], "forward", after, [hidden, ids], 30)
             assert reply["loss"] > 0
             # a request for another stage comes from a caller whose view lags a server's move: it is
             # answered "unavailable" (the caller goes elsewhere), not refused as malformed

@@ -10,11 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.proto import runtime_pb2
 
 from swarm.averaging.allreduce import RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
-from swarm.averaging.checks import Bounds
+from swarm.averaging.checks import POISON, Bounds
+from swarm.net.identity import peer_id_of
 from swarm.net.protocol import decode, encode
+from swarm.net.receipts import sign_receipt
 from swarm.net.transport import CallFailed
 from swarm.wire import codecs
 from swarm.wire.codecs import EXACT, Policy, error_bound
@@ -502,6 +505,71 @@ def test_malformed_reduce_requests_are_refused(meta: Any, tensors: list[torch.Te
         try:
             with pytest.raises(BadRequest):
                 await owner.contribute(meta, tensors, sender)
+        finally:
+            round_.cancel()
+            await asyncio.gather(round_, return_exceptions=True)
+
+    run_all(main())
+
+
+# ---- receipts ------------------------------------------------------------------------------------
+
+TRAINER = Ed25519PrivateKey.generate()
+TRAINER_ID = peer_id_of(TRAINER.public_key())
+
+
+def receipts(holder: str, reqs: dict[str, int]) -> tuple[list[str], list[list]]:
+    """The ledger keys of a trainer's microbatches given to `holder` (stage 1), and their receipts."""
+    keys = [f"{TRAINER_ID}/{r}" for r in reqs]
+    return keys, [[n, sign_receipt(TRAINER, key, 1, holder, n)] for key, n in zip(keys, reqs.values(), strict=True)]
+
+
+def test_microbatches_listed_with_their_receipts_are_stepped_and_forged_ones_poison_their_lister() -> None:
+    """peerC lists a microbatch peerA holds, showing peerA's receipt: a receipt is bound to its holder, so
+    every honest owner refuses peerC's part and names it. Without peerC, the round takes both members'
+    microbatches, and their samples are the receipts' sum."""
+    held = {"peerA": {"m1": 2, "m2": 3}, "peerB": {"m3": 4}}
+    lists = {peer: receipts(peer, reqs) for peer, reqs in held.items()}
+    stolen_keys, stolen = receipts("peerA", {"m1": 2})
+    lists["peerC"] = (stolen_keys, stolen)
+    samples = {"peerA": 5, "peerB": 4, "peerC": 2}
+    flat = grads(samples, 30)
+    group = ("peerA", "peerB", "peerC")
+    members = make_members(group, timeout=30.0, bounds=Bounds(receipts=True))
+
+    async def round_of(peers: tuple[str, ...]) -> list[Any]:
+        return await asyncio.gather(*(members[p].run(0, peers, flat[p], samples[p], ids=lists[p][0],
+                                                     receipts=lists[p][1]) for p in peers), return_exceptions=True)
+
+    outcomes = run_all(round_of(group))
+    for peer, outcome in zip(group, outcomes, strict=True):
+        assert isinstance(outcome, RoundFailed), outcome
+        if peer != "peerC":
+            assert outcome.unreachable == frozenset({"peerC"}), outcome
+    honest = run_all(round_of(("peerA", "peerB")))
+    assert all(isinstance(r, RoundResult) and r.samples == 9 and r.ids == sorted(lists["peerA"][0] + lists["peerB"][0])
+               for r in honest), honest
+
+
+@pytest.mark.parametrize("tamper", ["samples", "missing", "other stage"])
+def test_a_contribution_whose_receipts_do_not_show_its_claim_is_refused_as_poison(tamper: str) -> None:
+    keys, shown = receipts("peerB", {"m1": 2, "m2": 2})
+    samples = 4
+    if tamper == "samples":
+        samples = 40  # more samples than the receipts show
+    elif tamper == "missing":
+        shown = shown[:1]
+    else:
+        shown[1] = [2, sign_receipt(TRAINER, keys[1], 0, "peerB", 2)]
+    members = make_members(["peerA", "peerB"], timeout=SHORT, bounds=Bounds(receipts=True))
+
+    async def main() -> None:
+        round_ = asyncio.create_task(members["peerA"].run(0, ("peerA", "peerB"), torch.zeros(10), 0))
+        await asyncio.sleep(0)
+        try:
+            with pytest.raises(BadRequest, match=POISON):
+                await members["peerA"].contribute(_meta(samples=samples, ids=keys, receipts=shown),
+                                                  [torch.zeros(5)], "peerB")
         finally:
             round_.cancel()
             await asyncio.gather(round_, return_exceptions=True)

@@ -9,8 +9,11 @@ import time
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarm.config import load_config
+from swarm.net.identity import peer_id_of
+from swarm.net.receipts import sign_receipt
 from swarm.server.batching import Batcher
 from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.handlers import StageHandlers
@@ -35,8 +38,14 @@ def served(index: int, gate: ComputeGate, stopping=lambda: False) -> tuple[Stage
     return handlers, st
 
 
-def call(stage: int = 1, req: str = "r1", **fields) -> dict:
-    return StageCall(req, stage, fields.pop("config", "hash"), **fields).to_meta()
+KEYS = {name: Ed25519PrivateKey.generate() for name in ("caller", "another caller")}
+ID = {name: peer_id_of(key.public_key()) for name, key in KEYS.items()}
+
+
+def call(stage: int = 1, req: str = "r1", caller: str = "caller", samples: int = 2, **fields) -> dict:
+    """A trainer's call, with its receipt for this server ("QmMe")."""
+    receipt = sign_receipt(KEYS[caller], f"{ID[caller]}/{req}", stage, "QmMe", samples)
+    return StageCall(req, stage, fields.pop("config", "hash"), **fields, receipt=receipt).to_meta()
 
 
 def last_stage_request(batch: int = 2) -> list[torch.Tensor]:
@@ -51,16 +60,16 @@ def test_admission_sends_callers_with_a_lagging_view_elsewhere_and_refuses_stran
     async def scenario():
         handlers, st = served(1, ComputeGate(1.0, False))
         with pytest.raises(Unavailable, match="hosts stage 1, not 0"):
-            await handlers.forward(call(stage=0), last_stage_request(), "caller")
+            await handlers.forward(call(stage=0), last_stage_request(), ID["caller"])
         with pytest.raises(BadRequest, match="config hash"):
-            await handlers.forward(call(config="other"), last_stage_request(), "caller")
+            await handlers.forward(call(config="other"), last_stage_request(), ID["caller"])
         with pytest.raises(BadRequest, match="stage: expected int"):
-            await handlers.forward({"req": "r", "stage": "1", "config": "hash"}, last_stage_request(), "caller")
+            await handlers.forward({"req": "r", "stage": "1", "config": "hash"}, last_stage_request(), ID["caller"])
         with pytest.raises(BadRequest, match="request id"):
-            await handlers.forward(call(req=""), last_stage_request(), "caller")
+            await handlers.forward(call(req=""), last_stage_request(), ID["caller"])
         st.serving = False
         with pytest.raises(Unavailable, match="between stages"):
-            await handlers.forward(call(), last_stage_request(), "caller")
+            await handlers.forward(call(), last_stage_request(), ID["caller"])
     run(scenario())
 
 
@@ -68,10 +77,10 @@ def test_a_stale_replica_refuses_and_wakes_its_step_loop_to_catch_up():
     async def scenario():
         handlers, st = served(1, ComputeGate(1.0, False))
         with pytest.raises(Unavailable, match="stale replica: at epoch 0, the stage is at 3"):
-            await handlers.forward(call(epoch=3), last_stage_request(), "caller")
+            await handlers.forward(call(epoch=3), last_stage_request(), ID["caller"])
         assert st.counters["stale_refusals"] == 1 and st.wake.is_set()
         st.round_epoch = 0  # our own step to that epoch is under way: the request waits for it instead
-        await handlers.forward(call(epoch=1), last_stage_request(), "caller")
+        await handlers.forward(call(epoch=1), last_stage_request(), ID["caller"])
     run(scenario())
 
 
@@ -81,15 +90,15 @@ def test_a_moving_server_takes_no_new_microbatch_but_finishes_its_backwards_unti
         handlers, st = served(0, gate)
         batcher = asyncio.create_task(handlers.batcher.loop())
         ids = torch.randint(0, 256, (2, 16))
-        meta, (y,) = await handlers.forward(call(stage=0, req="a"), [ids], "caller")
+        meta, (y,) = await handlers.forward(call(stage=0, req="a"), [ids], ID["caller"])
         st.moving_to = 1
         with pytest.raises(Unavailable, match="moving to stage 1"):
-            await handlers.forward(call(stage=0, req="b"), [ids], "caller")
-        await handlers.backward(call(stage=0, req="a"), [ids, torch.ones_like(y.value)], "caller")
+            await handlers.forward(call(stage=0, req="b"), [ids], ID["caller"])
+        await handlers.backward(call(stage=0, req="a"), [ids, torch.ones_like(y.value)], ID["caller"])
         assert st.runtime.pending_samples == 2
         st.drained = True
         with pytest.raises(Unavailable, match="moving"):
-            await handlers.backward(call(stage=0, req="a"), [ids, torch.ones_like(y.value)], "caller")
+            await handlers.backward(call(stage=0, req="a"), [ids, torch.ones_like(y.value)], ID["caller"])
         batcher.cancel()
     run(scenario())
 
@@ -98,11 +107,12 @@ def test_a_repeated_gradient_call_is_answered_from_the_cache_and_applied_once():
     async def scenario():
         handlers, st = served(1, ComputeGate(1.0, False))
         tensors = last_stage_request()
-        first = await handlers.forward(call(), tensors, "caller")
-        again = await handlers.forward(call(), tensors, "caller")
+        first = await handlers.forward(call(), tensors, ID["caller"])
+        again = await handlers.forward(call(), tensors, ID["caller"])
         assert st.runtime.pending_samples == 2 and st.counters["samples_served"] == 2
         assert again[0]["loss"] == first[0]["loss"] and torch.equal(again[1][0].value, first[1][0].value)
-        other = await handlers.forward(call(), tensors, "another caller")  # keys are per caller
+        # keys are per caller
+        other = await handlers.forward(call(caller="another caller"), tensors, ID["another caller"])
         assert st.runtime.pending_samples == 4 and other[0]["loss"] == first[0]["loss"]
     run(scenario())
 
@@ -146,4 +156,29 @@ def test_the_gate_counts_work_by_pass_and_slows_down_by_cpu_time():
         assert (work, samples) == ("forward", 4)
         assert wall >= 0.9 * cost  # idled twice the CPU time, and counted three times it
         gate.close()
+    run(scenario())
+
+
+def test_a_gradient_is_accumulated_only_with_its_trainers_receipt_for_this_server():
+    """Without a receipt, with one for another server, another stage or other samples, nothing is
+    accumulated; a call for the input gradient only needs none. The receipt is kept for the round."""
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        me = ID["caller"]
+        forged = [
+            StageCall("r1", 1, "hash").to_meta(),
+            {**call(), "receipt": sign_receipt(KEYS["caller"], f"{me}/r1", 1, "QmOther", 2)},
+            {**call(), "receipt": sign_receipt(KEYS["caller"], f"{me}/r1", 0, "QmMe", 2)},
+            call(samples=3),
+            call(caller="another caller"),  # signed by another trainer than the caller
+        ]
+        for meta in forged:
+            with pytest.raises(BadRequest, match="receipt"):
+                await handlers.forward(meta, last_stage_request(), me)
+        assert st.runtime.pending_samples == 0
+        await handlers.forward(StageCall("r1", 1, "hash", accumulate=False).to_meta(), last_stage_request(), me)
+        assert st.runtime.pending_samples == 0
+        await handlers.forward(call(), last_stage_request(), me)
+        assert st.runtime.pending_samples == 2
+        assert st.runtime.book.receipts_for([f"{me}/r1"]) == [[2, call()["receipt"]]]
     run(scenario())

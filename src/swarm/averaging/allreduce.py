@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem
+from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem, check_receipts
 from swarm.core.partition import split_evenly
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
@@ -48,6 +48,9 @@ from swarm.wire import codecs
 from swarm.wire.validate import BadRequest
 
 log = logging.getLogger(__name__)
+# receipts checked on the event loop (about 0.1 ms each): then every owner refuses a forged list before any
+# round of the epoch can end, so every honest member names its sender. Longer lists go to a thread
+RECEIPTS_INLINE = 512
 
 
 DIVERGED = "diverged:"  # marks a refusal because member weights differ
@@ -154,8 +157,10 @@ class StageAllReduce:
         samples: int,
         digest: str = "",
         ids: list[str] | None = None,
+        receipts: list[list] | None = None,
     ) -> RoundResult:
-        """Sum `flat_grad`, `samples` and the microbatch `ids` over `group`."""
+        """Sum `flat_grad`, `samples` and the microbatch `ids` over `group`; `receipts` ([samples, receipt] per
+        id) show the owners that the trainers gave us those microbatches (see swarm.net.receipts)."""
         if self.own_id not in group:
             raise ValueError("a member must belong to its own group")
         bounds = part_bounds(flat_grad.numel(), len(group))
@@ -166,7 +171,8 @@ class StageAllReduce:
         # parts are views, not copies (a stage's gradient is large): nothing writes to `flat_grad` while its
         # round runs (a sync round holds the compute gate; an async contribution is a tensor of its own)
         tasks = [
-            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi], samples, digest, ids or []))
+            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi], samples, digest, ids or [],
+                                                 receipts or []))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
         gathered = asyncio.gather(*tasks)
@@ -214,10 +220,11 @@ class StageAllReduce:
         samples: int,
         digest: str,
         ids: list[str],
+        receipts: list[list],
     ) -> tuple[torch.Tensor, int, list[str]]:
         meta = {
             "epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage, "digest": digest,
-            "ids": ids,
+            "ids": ids, "receipts": receipts,
         }
         if owner == self.own_id:
             reply, (answer,) = await self.contribute(meta, [part], self.own_id)
@@ -259,6 +266,10 @@ class StageAllReduce:
         part (not finite, or over the bounds) ends this owner's round at once: its result would be poison."""
         try:
             c = Contribution.parse(meta, tensors, sender, self.bounds)
+            if self.bounds.receipts and len(c.ids) <= RECEIPTS_INLINE:
+                check_receipts(meta.get("receipts"), c, self.stage)
+            elif self.bounds.receipts:  # a long list is checked off the event loop
+                await asyncio.to_thread(check_receipts, meta.get("receipts"), c, self.stage)
         except BadRequest as e:
             epoch = meta.get("epoch") if isinstance(meta, dict) else None
             rnd = self._rounds.get(epoch) if isinstance(epoch, int) else None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from swarm.net.directory import short
+from swarm.net.receipts import receipt_valid
 from swarm.wire.validate import BadRequest
 
 POISON = "poisoned:"  # marks a refusal of a contribution that is not finite or over its bound
@@ -27,6 +28,10 @@ class Bounds:
     # robust aggregation: each contribution's norm per sample is clipped to this many times the group's
     # median (0: the plain mean); with three or more members, one hostile member's pull is bounded
     clip_to_median: float = 0.0
+    # every listed microbatch must come with its trainer's receipt for the sender (swarm.net.receipts), and
+    # the receipts' samples must add up to the claimed samples. Stage servers always check; off only where
+    # the members are not fed by trainers (the arithmetic's own tests)
+    receipts: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,23 @@ class Contribution:
             raise BadRequest(f"{POISON} part from {short(sender)} has norm {norm:.3g} per sample, over the bound "
                              f"of {bounds.max_norm_per_sample:.3g}")
         return cls(sender, epoch, tuple(group), samples, ids, str(meta.get("digest", "")), part)
+
+
+def check_receipts(receipts: Any, c: Contribution, stage: int) -> None:
+    """Refuse, as poison, a contribution listing a microbatch without the receipt its trainer gave the
+    sender, or samples its receipts do not show. One signature check per microbatch: run off the event
+    loop for long lists."""
+    if not (isinstance(receipts, list) and len(receipts) == len(c.ids)):
+        raise BadRequest(f"{POISON} {short(c.sender)} lists microbatches without a receipt for each")
+    total = 0
+    for req_id, entry in zip(c.ids, receipts, strict=True):
+        if not (isinstance(entry, list) and len(entry) == 2 and is_int(entry[0]) and entry[0] > 0
+                and receipt_valid(entry[1], req_id, stage, c.sender, entry[0])):
+            raise BadRequest(f"{POISON} {short(c.sender)} lists microbatch {req_id[-24:]!r} without its trainer's "
+                             "receipt")
+        total += entry[0]
+    if total != c.samples:
+        raise BadRequest(f"{POISON} {short(c.sender)} claims {c.samples} samples; its receipts show {total}")
 
 
 def answer_problem(tensors: list[torch.Tensor], size: int, samples: Any, ids: Any, max_norm: float) -> str | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+MAX_RECEIPTS = 1 << 16  # receipts kept for gradients not yet held (a request dropped before it ran leaves one)
+
 
 class Ledger:
     def __init__(self, keep_epochs: int):
@@ -16,10 +18,22 @@ class Ledger:
         self.pending: dict[str, int] = {}  # microbatch id -> samples, accumulated since the last step
         self.pending_samples = 0  # their sum, readable from the network thread without iterating
         self.committed: dict[str, int] = {}  # microbatch id -> the epoch its step produced (recent steps)
+        # microbatch id -> (samples, the trainer's receipt), shown to groupmates (see swarm.net.receipts)
+        self.receipts: dict[str, tuple[int, str]] = {}
 
     def accumulates(self, req_id: str) -> bool:
         """Whether a gradient for `req_id` would be new to the stage (else it is a duplicate)."""
         return req_id not in self.pending and req_id not in self.committed
+
+    def note_receipt(self, req_id: str, samples: int, receipt: str) -> None:
+        """Keep a gradient's receipt, taken before it is accumulated."""
+        self.receipts[req_id] = (samples, receipt)
+        while len(self.receipts) > MAX_RECEIPTS:
+            del self.receipts[next(iter(self.receipts))]
+
+    def receipts_for(self, ids: Iterable[str]) -> list[list]:
+        """[samples, receipt] of each id ([0, ""] where none was kept)."""
+        return [list(self.receipts.get(req_id, (0, ""))) for req_id in ids]
 
     def hold(self, req_id: str, samples: int) -> None:
         self.pending[req_id] = samples
@@ -29,6 +43,7 @@ class Ledger:
         """Record a step's microbatches, forgetting steps older than `keep_epochs` before it."""
         for req_id in ids:
             self.committed[req_id] = epoch
+            self.receipts.pop(req_id, None)
         oldest = epoch - self.keep_epochs
         while self.committed:  # insertion order is epoch order: forget from the front
             first = next(iter(self.committed))
@@ -40,10 +55,13 @@ class Ledger:
         """These microbatches left the accumulated gradient (a round took them in)."""
         for req_id in ids:
             self.pending_samples -= self.pending.pop(req_id, 0)
+            self.receipts.pop(req_id, None)
 
     def clear_pending(self) -> int:
         """Forget everything held (stepped, or dropped); the samples it held."""
         held = self.pending_samples
+        for req_id in self.pending:
+            self.receipts.pop(req_id, None)
         self.pending, self.pending_samples = {}, 0
         return held
 

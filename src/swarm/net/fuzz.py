@@ -57,7 +57,8 @@ def forward_targets(cfg: SwarmConfig, servers: dict[int, str]) -> list[Target]:
     counter = itertools.count()
 
     def good(stage: int) -> tuple[str, dict[str, Any], list[Any]]:
-        meta = {"req": f"fuzz-good-{next(counter)}", "stage": stage, "config": good_hash}
+        # the input gradient only: accumulating takes a trainer's receipt (swarm.net.receipts)
+        meta = {"req": f"fuzz-good-{next(counter)}", "stage": stage, "config": good_hash, "accumulate": False}
         return "forward", meta, [ids] if stage == 0 else [hidden, ids]
 
     return [Target(peer, stage, functools.partial(good, stage)) for stage, peer in servers.items()]

@@ -24,12 +24,15 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import hivemind
 from hivemind.p2p import P2P
 
 from swarm.config import NetConfig
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -62,6 +65,8 @@ def _stop_with_parent() -> None:
 
 class TiedDHT(hivemind.DHT):
     """hivemind's DHT process, in a process group of its own and killed when the peer dies."""
+
+    identity: Ed25519PrivateKey | None = None  # the peer's key, kept by swarm.net.node.start_dht: it signs receipts
 
     def run(self) -> None:
         parent = os.getppid()

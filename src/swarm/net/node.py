@@ -49,7 +49,7 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     else:
         path, key = temporary_identity()
     try:
-        return TiedDHT(
+        dht = TiedDHT(
             initial_peers=list(net.initial_peers),
             host_maddrs=[listen_address(net)],
             announce_maddrs=list(net.announce_addrs) or None,
@@ -61,6 +61,8 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
             client_mode=client_mode,
             start=True,
         )
+        dht.identity = key
+        return dht
     except P2PDaemonError as e:
         peers = ", ".join(net.initial_peers) or "none given"
         raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e

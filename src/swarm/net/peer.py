@@ -16,6 +16,7 @@ from swarm.net.faultfile import FaultFile
 from swarm.net.lifeline import guard
 from swarm.net.node import check_join, start_dht
 from swarm.net.protocol import Traffic
+from swarm.net.receipts import ReceiptSigner
 from swarm.net.secret import SwarmSecret, load_secret
 from swarm.net.transport import StageClient
 
@@ -32,6 +33,7 @@ class SwarmPeer:
     peer_id: str
     net: NetConfig
     secret: SwarmSecret | None  # a private swarm's (see swarm.net.secret)
+    sign: ReceiptSigner  # this peer's receipts for the gradients it hands replicas (see swarm.net.receipts)
 
     def leave(self) -> None:
         self.dht.shutdown()
@@ -52,7 +54,8 @@ async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool
         client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000, secret)
         await check_join(dht, p2p, net, serving, secret=secret)
         directory = Directory(dht, net.run_id, net.record_ttl)
-        return SwarmPeer(dht, p2p, client, directory, faults, dht.peer_id.to_base58(), net, secret)
+        me = dht.peer_id.to_base58()
+        return SwarmPeer(dht, p2p, client, directory, faults, me, net, secret, ReceiptSigner(dht.identity, me))
     except BaseException:
         dht.shutdown()
         raise

@@ -21,6 +21,7 @@ from swarm.backup.keeper import BackupKeeper
 from swarm.config import ModelConfig, ServerConfig
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
+from swarm.net.receipts import receipt_valid
 from swarm.server.batching import RECOMPUTE, Batcher
 from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.replies import Reply, ReplyCache
@@ -147,6 +148,8 @@ class StageHandlers:
         x, targets = self._check_forward(st, tensors)
         if targets is not None and (cached := self._repeat(st, key)) is not None:
             return cached
+        if targets is not None:
+            self._take_receipt(st, call, key, x.shape[0])
         st.counters["samples_served"] += x.shape[0]  # a repeat answered from the cache is not counted again
         if targets is None:
             y = await self.batcher.forward(key, x)
@@ -166,6 +169,7 @@ class StageHandlers:
         x, dy = self._check_backward(st, tensors)
         if (cached := self._repeat(st, key)) is not None:
             return cached
+        self._take_receipt(st, call, key, x.shape[0])
         accumulate = call.accumulate and st.runtime.accumulates(key)
         graph = st.runtime.live_graph(key)
         grad = RECOMPUTE
@@ -178,6 +182,16 @@ class StageHandlers:
             )
         await self._delay_reply(st, "backward")
         return self._remember_gradient_reply(st, key, {}, grad)
+
+    @staticmethod
+    def _take_receipt(st: ServedStage, call: StageCall, key: str, samples: int) -> None:
+        """A gradient is accumulated only with its trainer's receipt, which this replica keeps to show its
+        groupmates in the round (see swarm.net.receipts)."""
+        if not (call.accumulate and st.runtime.accumulates(key)):
+            return  # nothing will be accumulated: the input gradient alone is sent back
+        if not receipt_valid(call.receipt, key, st.index, st.peer_id, samples):
+            raise BadRequest("an accumulating call needs its trainer's receipt for this server, stage and samples")
+        st.runtime.book.note_receipt(key, samples, call.receipt)
 
     async def state(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         """The stage's whole state, to a replica catching up or a newcomer: at most MAX_STATE_SENDS at a time,

@@ -171,7 +171,8 @@ class StageServer:
         name = self._results_name(index)
         transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout,
                                  self.keeper.local)
-        bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples, cfg.server.clip_to_median)
+        bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples, cfg.server.clip_to_median,
+                        receipts=True)
         allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal,
                                    bounds)
         stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,

@@ -231,5 +231,7 @@ class Stepper:
         """The stage's sample-weighted mean of `flat` (sums over samples), its samples and microbatches."""
         if len(group) == 1:  # in place: a stage's whole gradient is large, and nothing else reads `flat`
             return flat.div_(max(samples, 1)), samples, ids
-        result = await self.allreduce.run(epoch, group, flat, samples, self.stage.runtime.last_digest, ids)
+        runtime = self.stage.runtime
+        result = await self.allreduce.run(epoch, group, flat, samples, runtime.last_digest, ids,
+                                          runtime.book.receipts_for(ids))
         return result.mean, result.samples, result.ids

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +60,15 @@ class _Attempts:
 
 class StageCaller:
     def __init__(self, tc: TrainerConfig, client: StageClient, directory: Directory, view: SwarmView,
-                 config_hash: str, announce_period: float, rng: random.Random, stop: asyncio.Event):
+                 config_hash: str, announce_period: float, rng: random.Random, stop: asyncio.Event,
+                 sign: Callable[[str, int, str, int], str] | None = None):
         self.tc = tc
         self.client, self.directory, self.view = client, directory, view
         self.hash = config_hash
         self.announce_period = announce_period
         self.rng = rng
         self.stop = stop
+        self.sign = sign  # receipts for accumulating calls (swarm.net.receipts); None: calls carry none
         self.bans = BanList(tc.ban_seconds, tc.ban_seconds * 8)
         self.round_robin = [SmoothWeightedRoundRobin() for _ in range(view.num_stages)]
         self.latency = {(k, m): LatencyTracker() for k in range(view.num_stages) for m in ("forward", "backward")}
@@ -96,7 +99,8 @@ class StageCaller:
         tried = _Attempts(prefer=prefer)
         while tried.count < self.tc.max_attempts or accumulating:
             peer = await self._server_for(stage, tried)
-            call = self._stage_call(stage, method, req, accumulate=accumulating and tried.holder is None)
+            call = self._stage_call(stage, method, req, accumulating and tried.holder is None, peer,
+                                    tensors[0].shape[0])
             started = time.monotonic()
             try:
                 reply = await self._timed(method, peer, call, tensors)
@@ -120,16 +124,19 @@ class StageCaller:
                 return peer
             await self._wait_for_server(stage)
 
-    def _stage_call(self, stage: int, method: str, req: str, accumulate: bool) -> StageCall:
+    def _stage_call(self, stage: int, method: str, req: str, accumulate: bool, peer: str, samples: int
+                    ) -> StageCall:
         """The call's metadata, its timeout following the latency measured for such calls. Past its
         deadline a server drops the request: by then we have sent it elsewhere, and a delivery in doubt
-        is judged only request_timeout after its failure (see swarm.trainer.delivery)."""
+        is judged only request_timeout after its failure (see swarm.trainer.delivery). An accumulating
+        call carries its receipt for `peer`."""
         tc = self.tc
         timeout = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
                                                       tc.request_timeout)
         deadline = time.time() + timeout + tc.request_timeout / 2
         epoch = self.view.live_epoch(stage, ignore=self.bans.failing())
-        return StageCall(req, stage, self.hash, epoch, timeout, deadline, accumulate)
+        receipt = self.sign(req, stage, peer, samples) if accumulate and self.sign is not None else ""
+        return StageCall(req, stage, self.hash, epoch, timeout, deadline, accumulate, receipt)
 
     async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[torch.Tensor]):
         self.inflight[peer] = self.inflight.get(peer, 0) + 1

@@ -81,7 +81,7 @@ class Trainer:
         self.feed = DataFeed(table, peer.directory, peer.peer_id, self.cfg.data, self.tc.microbatch_size, self.rng)
         period = self.cfg.net.announce_period
         self.caller = StageCaller(self.tc, peer.client, peer.directory, self.view, self.hash, period, self.rng,
-                                  self.stop)
+                                  self.stop, peer.sign)
         self.keeper = GradientKeeper(self.tc, peer.client, self.caller, self.view, period, lambda: self.done,
                                      self.stop)
         try:

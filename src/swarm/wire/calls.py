@@ -37,11 +37,14 @@ class StageCall:
     deadline: float = math.inf  # the caller's own bound on the wall clock (unix seconds)
     # False: send back the input gradient only (another replica may already hold this microbatch's gradient)
     accumulate: bool = True
+    receipt: str = ""  # the trainer's signature on the gradient it hands this server (swarm.net.receipts)
 
     def to_meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"req": self.req, "stage": self.stage, "config": self.config, "epoch": self.epoch,
                                 "accumulate": self.accumulate}
         meta.update({k: v for k, v in (("timeout", self.timeout), ("deadline", self.deadline)) if math.isfinite(v)})
+        if self.receipt:
+            meta["receipt"] = self.receipt
         return meta
 
     @classmethod
@@ -53,7 +56,8 @@ class StageCall:
         timeout = float(_field(meta, "timeout", (int, float), math.inf))
         deadline = float(_field(meta, "deadline", (int, float), math.inf))
         return cls(req, stage, _field(meta, "config", str, ""), _field(meta, "epoch", int, 0),
-                   timeout if timeout > 0 else math.inf, deadline, _field(meta, "accumulate", bool, True))
+                   timeout if timeout > 0 else math.inf, deadline, _field(meta, "accumulate", bool, True),
+                   _field(meta, "receipt", str, ""))
 
 
 @dataclass(frozen=True)
