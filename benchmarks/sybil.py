@@ -7,7 +7,9 @@ record there. The figures: how long a trainer's read of the stage takes and what
 after the flood; how many entries each storage node holds and how much its DHT process grew; and whether
 an honest server that joins after the flood is seen.
 
-    .venv/bin/python benchmarks/sybil.py [--records 100000] [--senders 20] [--storage-nodes 3]
+    .venv/bin/python benchmarks/sybil.py [--records 100000] [--senders 20] [--storage-nodes 3] [--unbounded]
+
+`--unbounded` lifts the per-key bounds (swarm.net.storage), to see what they prevent.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.config import load_config
+from swarm.net import storage as bounds
 from swarm.net.directory import Directory
 from swarm.net.identity import PeerSignatures, peer_id_of
 from swarm.net.node import start_dht
@@ -73,7 +76,10 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--senders", type=int, default=20)
     parser.add_argument("--storage-nodes", type=int, default=3)
+    parser.add_argument("--unbounded", action="store_true", help="lift the per-key bounds")
     args = parser.parse_args()
+    if args.unbounded:
+        bounds.MAX_SUBKEYS = bounds.MAX_SUBKEYS_PER_SENDER = 1 << 62
     cfg = load_config(overrides=[f'net.run_id="{RUN}"', 'net.host="127.0.0.1"', "net.record_ttl=240.0"])
     expiration = get_dht_time() + 200  # within the lifetime servers are listed for: every record counts
     started = time.perf_counter()

@@ -79,11 +79,14 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.timeout = timeout
 
-    async def run(self, target: Target, messages: int, batch: int = 100, alive_timeout: float = 10.0) -> FuzzReport:
+    async def run(self, target: Target, messages: int, batch: int = 100, alive_timeout: float = 10.0,
+                  methods: tuple[str, ...] = METHODS) -> FuzzReport:
+        """Send `messages` random and mutated messages to `methods` of the target (spread at random), and a
+        good request after every `batch` of them."""
         report = FuzzReport()
         while report.sent < messages:
             for _ in range(min(batch, messages - report.sent)):
-                kind, method = self.rng.choice(KINDS), self.rng.choice(METHODS)
+                kind, method = self.rng.choice(KINDS), self.rng.choice(methods)
                 started = time.monotonic()
                 outcome, sent = await self._one(target, kind, method)
                 report.slowest_answer = max(report.slowest_answer, time.monotonic() - started)

@@ -24,6 +24,7 @@ from swarm.averaging.checks import Bounds
 from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.exiting import STOP_MARGIN, on_stop_signals
+from swarm.looplag import LoopLag
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
 from swarm.net.node import visible_addresses
@@ -97,6 +98,7 @@ class StageServer:
         # leaving takes up to leave_timeout to finish accepted work, then a checkpoint and the DHT's goodbye
         on_stop_signals(loop, self.stop.set, cfg.server.leave_timeout + STOP_MARGIN, f"server {self.label}")
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
+        self.lag = LoopLag()  # how long the event loop was kept from running (in the summary)
         self.gate = ComputeGate(cfg.server.slowdown, cfg.server.device == "cpu" and torch.get_num_threads() == 1)
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
                                       self.gate, self.stop.is_set)
@@ -120,6 +122,7 @@ class StageServer:
                                    self.peer.client, self.peer.directory, self._serving_stage)
         self.handlers.backups = self.keeper
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
+        lagging = asyncio.create_task(self.lag.loop())
         try:
             stage = cfg.server.stage
             if cfg.server.auto_stage:
@@ -133,6 +136,7 @@ class StageServer:
                 stage = target
         finally:
             keeping.cancel()
+            lagging.cancel()
 
     def _serving_stage(self) -> int | None:
         return self.stage.index if self.stage is not None and self.stage.serving else None
@@ -263,6 +267,7 @@ class StageServer:
             "traffic": self.traffic.as_dict(),
             "busy_seconds": self.gate.busy_seconds - st.busy_start,
             "alive_seconds": time.time() - st.started,
+            **self.lag.as_dict(),
             "entry": st.entry,  # how it took the stage's state when no replica was left, if it had to
             "fresh_start": st.fresh,
             **st.counters,
