@@ -125,7 +125,7 @@ def main() -> None:
     loop.run_until_complete(Directory(late, RUN, 240.0).announce_server(newcomer))
     found = loop.run_until_complete(timed_read(directory))[1]
     print("an honest server joining after the flood is " +
-          ("seen" if late.peer_id.to_base58() in {r.peer_id for r in found} else "not seen (the key is full)"))
+          ("seen" if late.peer_id.to_base58() in {r.peer_id for r in found} else "not seen"))
     for d in [late, *attackers, honest, reader, *storage]:
         d.shutdown()
 
