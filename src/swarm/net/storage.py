@@ -14,7 +14,9 @@ therefore keeps, per key:
   an honest peer writes its own announcement and at most a data key's blocks, so a flood must come from
   many peers at once to fill a key.
 
-Reads of a key are then bounded by `MAX_SUBKEYS` per node asked, whatever was sent.
+Reads of a key are then bounded by `MAX_SUBKEYS` per node asked, whatever was sent. The price: a swarm
+with more than `MAX_SUBKEYS` servers of one stage, or trainers, would need those records spread over
+several keys.
 """
 
 from __future__ import annotations
