@@ -3,10 +3,11 @@ together (one provider's preemption wave) comes back at most `backup.every` step
 
 A holder pulls: it reads the swarm's layout from the DHT, works out which stages it holds (rendezvous
 hashing, `swarm.core.backups`), and downloads a stage's state from its most advanced replica once the
-stage is `every` steps past its copy, over the same streamed, exact `state` call a newcomer uses. The
-stage's step loop never waits for it: the replica lends its tensors to the download instead of copying
-them. Copies live in the holder's memory, announced in the DHT (`BackupRecord`) and served by the
-`backup` call to a server that enters a stage no replica is left of.
+stage is `every` steps past its copy, over the same streamed, exact `state` call a newcomer uses; like a
+newcomer, it keeps the state only where the stage's other replicas vouch for its digest
+(`swarm.core.vouching`). The stage's step loop never waits for it: the replica lends its tensors to the
+download instead of copying them. Copies live in the holder's memory, announced in the DHT
+(`BackupRecord`) and served by the `backup` call to a server that enters a stage no replica is left of.
 
 The holder also notes every fresh start it sees in the layout (a stage an operator restarted from its
 initial weights), for its summary.
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from swarm.config import BackupConfig
+from swarm.config import BackupConfig, NetConfig
 from swarm.core.backups import may_drop, needs_refresh, stages_to_hold
 from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.net.protocol import Tagged
@@ -52,19 +53,21 @@ class Copy:
 
 
 class BackupKeeper:
-    def __init__(self, me: str, config_hash: str, num_stages: int, cfg: BackupConfig, record_ttl: float,
+    def __init__(self, me: str, config_hash: str, num_stages: int, cfg: BackupConfig, net: NetConfig,
                  client: StageClient, directory: Directory, own_stage: Callable[[], int | None],
                  every_stage: bool = False):
         """`own_stage`: the stage this peer serves now (None: none); `every_stage`: hold a copy of every
         stage (a `swarm backup` peer) rather than those the ranking gives this server."""
         self.me, self.hash, self.num_stages = me, config_hash, num_stages
-        self.cfg, self.ttl = cfg, record_ttl + 2 * cfg.period
+        self.cfg, self.ttl = cfg, net.record_ttl + 2 * cfg.period
+        self.announce_period = net.announce_period
         self.client, self.directory = client, directory
         self.own_stage, self.every_stage = own_stage, every_stage
         self.copies: dict[int, Copy] = {}
         self.over_budget: set[int] = set()  # stages refused for want of memory (logged once each)
         self.fresh_starts: dict[str, dict[str, Any]] = {}  # replica -> its stage and when it started afresh
         self.counters: Counter[str] = Counter()
+        self.told: set[str] = set()  # sources whose state was refused as unvouched (logged once each)
 
     async def loop(self) -> None:
         announcing = asyncio.create_task(self._announce_loop())
@@ -117,6 +120,9 @@ class BackupKeeper:
             except CallFailed as e:
                 log.warning("copy of stage %d from %s failed: %s", stage, short(source.peer_id), e)
                 continue
+            if not await self.directory.vouch(stage, self.hash, self.me, meta, records, self.announce_period):
+                self._refused(stage, source.peer_id, meta)
+                continue
             old = self.copies.get(stage)
             copy = Copy(meta, tensors, max(source.epoch, int(meta["epoch"])), source.peer_id)
             budget = self.cfg.max_mb
@@ -135,6 +141,14 @@ class BackupKeeper:
                      copy.megabytes, short(source.peer_id), took, f"; was epoch {old.epoch}" if old else "")
             await self._announce(stage, copy)
             return
+
+    def _refused(self, stage: int, source: str, meta: dict[str, Any]) -> None:
+        """A state the stage's other replicas do not vouch for is no copy to restore the stage from."""
+        self.counters["unvouched"] += 1
+        if source not in self.told:
+            self.told.add(source)
+            log.warning("copy of stage %d from %s refused: the stage's other replicas do not vouch for its digest "
+                        "%s at epoch %s", stage, short(source), str(meta.get("digest"))[:16], meta.get("epoch"))
 
     async def _announce_loop(self) -> None:
         while True:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Iterable
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from swarm.core.dataplan import Claim
+from swarm.core.vouching import LOOKS, Announced, vouched
 from swarm.net.identity import public_key_of
 from swarm.wire.records import (
     BackupRecord,
@@ -55,6 +57,23 @@ class Directory:
         found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
         parse = _by_peer(ServerRecord.from_value)
         return [r for r in _parse(found, parse, self.ttl + CLOCK_SLACK) if not r.gone and r.stage == stage]
+
+    async def vouch(self, stage: int, config_hash: str, me: str, meta: dict, known: Iterable[ServerRecord],
+                    wait: float) -> bool:
+        """Whether the replicas of `stage` other than `me` vouch for a downloaded state described by `meta`
+        (its epoch and digest; see swarm.core.vouching), from the records `known` (read before the download)
+        and up to `LOOKS` reads of the stage's records after it, `wait` seconds apart."""
+        digest, epoch = meta.get("digest"), meta.get("epoch")
+        if not isinstance(digest, str) or not isinstance(epoch, int):
+            return False
+        seen = _announced(known, config_hash)
+        for look in range(LOOKS):
+            if look:
+                await asyncio.sleep(wait)
+            seen |= _announced(await self.stage(stage), config_hash)
+            if vouched(digest, epoch, seen, me):
+                return True
+        return False
 
     async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
         """All stages, read at once: a read that waits on an unresponsive DHT node delays the view once,
@@ -99,6 +118,11 @@ class Directory:
     def now(self) -> float:
         """DHT time, which leases are measured in."""
         return get_dht_time()
+
+
+def _announced(records: Iterable[ServerRecord], config_hash: str) -> set[Announced]:
+    """What the records of this run's replicas (their settings ours) announce of their weights."""
+    return {(r.peer_id, r.epoch, r.digest) for r in records if r.config_hash == config_hash}
 
 
 def _by_peer(parse):

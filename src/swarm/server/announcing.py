@@ -50,6 +50,7 @@ class Announcer:
             optim=self.agreed["optim"],
             protocol=PROTOCOL_VERSION,
             fresh=st.fresh,
+            digest=st.runtime.last_digest,
         )
 
     async def announce(self) -> None:

@@ -118,7 +118,7 @@ class StageServer:
         await JoinServicer(p2p, self.peer.secret).add_p2p_handlers(p2p)
         await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
                             half_rtt, self.peer.secret).add_p2p_handlers(p2p)
-        self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net.record_ttl,
+        self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net,
                                    self.peer.client, self.peer.directory, self._serving_stage)
         self.handlers.backups = self.keeper
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
@@ -173,8 +173,8 @@ class StageServer:
         batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)
         announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st)
         name = self._results_name(index)
-        transfer = StateTransfer(st, gate, peer.client, self.results, name, cfg.server.download_timeout,
-                                 self.keeper.local)
+        transfer = StateTransfer(st, gate, peer.client, peer.directory, self.hash, self.results, name,
+                                 cfg.server.download_timeout, cfg.net.announce_period, self.keeper.local)
         bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples, cfg.server.clip_to_median,
                         receipts=True)
         allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal,

@@ -32,6 +32,7 @@ from swarm.core.stepping import (
     suspect,
     unproven,
 )
+from swarm.core.vouching import keeper as keeper_of
 from swarm.net.directory import Directory, short
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
@@ -93,15 +94,7 @@ class Stepper:
         try:
             decision, records = await self._look()
             if isinstance(decision, CatchUp):
-                sources = [r for r in records if r.peer_id in decision.sources]
-                loaded = await self.transfer.download(sources)
-                if not loaded and sources and all(r.epoch > st.runtime.epoch for r in sources):
-                    # none gave a state for the epoch it announces: until their records move on, their claims
-                    # do not hold this replica back (a forged record would otherwise stop the stage for good)
-                    st.plan = unproven(st.plan, {r.peer_id: r.epoch for r in sources},
-                                       time.monotonic() + DISTRUST_TTLS * self.net.record_ttl)
-                    log.warning("stage %d: no state to be had from %s at the epoch announced; stepping on",
-                                st.index, ", ".join(short(r.peer_id) for r in sources))
+                await self._catch_up([r for r in records if r.peer_id in decision.sources])
             elif isinstance(decision, Step):
                 await self._step(st.runtime.epoch, decision.group)
                 self._failures = 0
@@ -116,6 +109,22 @@ class Stepper:
             self._strike(e.refused_by)
             log.warning("stage %d step %d round failed (%s); retrying", st.index, st.runtime.epoch + 1, e)
             await asyncio.sleep(backoff_delay(self._failures, 0.2, 3.0, self.rng))
+
+    async def _catch_up(self, sources: list[ServerRecord]) -> None:
+        """Download the state of a replica further along. Sources whose state the other replicas did not
+        vouch for, and all of them when none gave a state for the epoch it announces, are set aside: until
+        their records move on, their claims do not hold this replica back (a forged record would otherwise
+        stop the stage for good, and a replica serving wrong weights be asked again at every look)."""
+        st = self.stage
+        loaded = await self.transfer.download(sources)
+        none_had = bool(sources) and not loaded and all(r.epoch > st.runtime.epoch for r in sources)
+        aside = sources if none_had else [r for r in sources if r.peer_id in self.transfer.unvouched]
+        if aside:
+            st.plan = unproven(st.plan, {r.peer_id: r.epoch for r in aside},
+                               time.monotonic() + DISTRUST_TTLS * self.net.record_ttl)
+        if none_had:
+            log.warning("stage %d: no state to be had from %s at the epoch announced; stepping on",
+                        st.index, ", ".join(short(r.peer_id) for r in sources))
 
     def _strike(self, refused_by: frozenset[str]) -> None:
         """A peer that refused our part in STRIKES rounds in a row, with no step between, is left out of
@@ -152,14 +161,19 @@ class Stepper:
         return self._trainers_read[1]
 
     async def _resolve_divergence(self, error: WeightsDiverged) -> None:
-        """Replicas at one epoch hold different weights (they once stepped without each other): the
-        replica with the smallest peer id keeps its weights and the others take them."""
-        st, keeper = self.stage, min(error.group)
+        """Replicas at one epoch hold different weights (they once stepped without each other): all take
+        the weights most of them announce (`swarm.core.vouching.keeper`), so that the download is vouched
+        for by the replicas holding them."""
+        st = self.stage
+        records = [r for r in await self.directory.stage(st.index)
+                   if r.peer_id in error.group and r.epoch == st.runtime.epoch and r.digest]
+        digests = {**{r.peer_id: r.digest for r in records}, self.peer_id: st.runtime.last_digest}
+        keeper = keeper_of(digests)
+        ours = digests[keeper] == st.runtime.last_digest
         log.warning("stage %d replicas diverged at epoch %d (%s); %s", st.index, st.runtime.epoch, error,
-                    "keeping ours" if keeper == self.peer_id else f"taking the weights of {short(keeper)}")
-        if keeper != self.peer_id:
-            view = [r for r in await self.directory.stage(st.index) if r.peer_id == keeper]
-            await self.transfer.download(view, force=True)
+                    "keeping ours" if ours else f"taking the weights of {short(keeper)}")
+        if not ours:
+            await self.transfer.download([r for r in records if r.peer_id == keeper], force=True)
 
     async def _step(self, epoch: int, group: tuple[str, ...]) -> None:
         st = self.stage

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from swarm.net.directory import short
+from swarm.net.directory import Directory, short
 from swarm.net.transport import CallFailed, StageClient
 from swarm.results import PeerResults
 from swarm.server.gate import ComputeGate
@@ -24,34 +24,43 @@ UNUSABLE = (KeyError, TypeError, ValueError, RuntimeError)  # how a state that d
 
 
 class StateTransfer:
-    def __init__(self, stage: ServedStage, gate: ComputeGate, client: StageClient, results: PeerResults,
-                 results_name: str, timeout: float, local_copy: Callable[[int], Reply | None]):
+    def __init__(self, stage: ServedStage, gate: ComputeGate, client: StageClient, directory: Directory,
+                 config_hash: str, results: PeerResults, results_name: str, timeout: float, announce_period: float,
+                 local_copy: Callable[[int], Reply | None]):
         """`local_copy`: this peer's own copy of a stage, if it holds one (a server that moves into a stage
         it held the copy of takes it from itself)."""
         self.stage = stage
         self.gate = gate
         self.client = client
+        self.directory, self.hash = directory, config_hash
         self.results, self.loads_file = results, f"{results_name}.loads.jsonl"
         self.timeout = timeout
+        self.announce_period = announce_period
         self.local_copy = local_copy
+        self.unvouched: set[str] = set()  # the sources whose state the last download refused as unvouched
+        self._told: set[str] = set()  # sources already logged for it
 
     async def download(self, candidates: Sequence[ServerRecord | BackupRecord], force: bool = False,
                        method: str = "state") -> bool:
-        """Load parameters and optimizer state from the most advanced replica that answers (with `force`,
-        one at our own epoch too), or with `method="backup"` from a copy held outside the stage; whether
-        one was loaded."""
+        """Load parameters and optimizer state from the most advanced replica that answers with a state
+        the stage's replicas vouch for (`_vouched`; with `force`, one at our own epoch too), or with
+        `method="backup"` from a copy held outside the stage (its holder took it only once vouched for);
+        whether one was loaded."""
         st = self.stage
+        self.unvouched = set()
         for source in sorted(candidates, key=lambda r: -r.epoch):
             try:
                 meta, tensors = await self._fetch(source.peer_id, method)
             except CallFailed as e:
                 log.warning("state download from %s failed: %s", short(source.peer_id), e)
                 continue
+            epoch = meta.get("epoch")
+            if not isinstance(epoch, int) or isinstance(epoch, bool):
+                log.warning("state from %s is unusable: epoch %r", short(source.peer_id), epoch)
+                continue
+            if method == "state" and not await self._vouched(source.peer_id, meta, candidates):
+                continue
             async with self.gate.lock:
-                epoch = meta.get("epoch")
-                if not isinstance(epoch, int) or isinstance(epoch, bool):
-                    log.warning("state from %s is unusable: epoch %r", short(source.peer_id), epoch)
-                    continue
                 if epoch < st.runtime.epoch + (0 if force else 1):
                     return False
                 lost = st.runtime.pending_samples
@@ -70,6 +79,22 @@ class StateTransfer:
             log.info("stage %d server %s loaded epoch %d from %s%s", st.index, st.label, st.runtime.epoch,
                      short(source.peer_id), f" (dropped {lost} samples computed at older weights)" if lost else "")
             return True
+        return False
+
+    async def _vouched(self, source: str, meta: dict[str, Any],
+                       known: Sequence[ServerRecord | BackupRecord]) -> bool:
+        """Whether the stage's other replicas vouch for the state `source` served (swarm.core.vouching),
+        looking again for a few announcement periods. A source whose state they do not vouch for is noted
+        in `unvouched`, and logged once."""
+        records = [r for r in known if isinstance(r, ServerRecord)]
+        if await self.directory.vouch(self.stage.index, self.hash, self.stage.peer_id, meta, records,
+                                      self.announce_period):
+            return True
+        self.unvouched.add(source)
+        if source not in self._told:
+            self._told.add(source)
+            log.warning("state from %s refused: the other replicas of stage %d do not vouch for its digest %s at "
+                        "epoch %s", short(source), self.stage.index, str(meta.get("digest"))[:16], meta.get("epoch"))
         return False
 
     async def _fetch(self, peer: str, method: str) -> Reply:

@@ -80,6 +80,9 @@ class ServerRecord(_Record):
     protocol: int = 0  # swarm.wire.PROTOCOL_VERSION of the writer (0: one from before versions)
     # unix time at which its operator started this replica's stage afresh mid-run, its training lost (0: never)
     fresh: float = 0.0
+    # of the weights it holds at `epoch` (swarm.server.state_io.digest): downloaders of a replica's state take
+    # it only where other replicas vouch for its digest (swarm.core.vouching); not part of the agreed config
+    digest: str = ""
 
     def agreed(self) -> dict[str, Any]:
         """What the writer hashed into `config_hash` (see swarm.config.agreed), to name what differs."""
