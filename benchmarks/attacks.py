@@ -2,10 +2,12 @@
 
 For each hostile peer of `swarm.ops.hostile`, alone and then all together, a local swarm (2 stages x 2
 servers, 2 trainers) trains until its slowest stage has warmed up, is measured for `--window` seconds,
-then attacked for as long: the figure is the samples per second the trainers completed in each window. Then the
+then attacked for as long: the figure is the samples per second the trainers completed in each window,
+with what the run's report says of it (steps, replicas, delivery, refused gradients, the last loss). Then the
 fuzzer (`swarm.net.fuzz`) sends `--fuzz-messages` random and mutated messages to a server of each stage.
+`--set KEY=VALUE` (repeated) changes the settings of every swarm it starts, e.g. its codecs or `optim.mode`.
 
-    .venv/bin/python benchmarks/attacks.py [--window 20] [--fuzz-messages 10000]
+    .venv/bin/python benchmarks/attacks.py [--window 20] [--fuzz-messages 10000] [--set KEY=VALUE ...]
                                            [--only KIND ... | --all-at-once | --no-attacks]
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import signal
 import time
 from pathlib import Path
@@ -25,6 +28,7 @@ from swarm.net.node import start_dht
 from swarm.net.transport import StageClient
 from swarm.ops.hostile import ATTACKS, Attack
 from swarm.ops.local import LocalSwarm
+from swarm.ops.report import read_steps, write_report
 
 SMALL = [  # a model whose step takes well under a second on 2 cores
     'net.run_id="attacks"', "model.d_model=64", "model.n_heads=2", "model.d_ff=128", "model.n_layers=2",
@@ -39,8 +43,8 @@ def finish(swarm: LocalSwarm) -> None:
         trainer.signal(signal.SIGTERM)
 
 
-def measure(kinds: tuple[str, ...], run_dir: Path, window: float) -> dict:
-    swarm = LocalSwarm(load_config(overrides=[*SMALL, f'run_dir="{run_dir}"']))
+def measure(kinds: tuple[str, ...], run_dir: Path, window: float, settings: tuple[str, ...] = ()) -> dict:
+    swarm = LocalSwarm(load_config(overrides=[*SMALL, *settings, f'run_dir="{run_dir}"']))
     attack = Attack(swarm, kinds, finish, window=window)
     try:
         swarm.start()
@@ -48,12 +52,37 @@ def measure(kinds: tuple[str, ...], run_dir: Path, window: float) -> dict:
     finally:
         swarm.stop()
     before, during = attack.rates()
-    return {"attack": "+".join(kinds), "samples/s before": round(before, 2), "samples/s during": round(during, 2),
-            "ratio": round(during / before, 2) if before else None}
+    return {"attack": "+".join(kinds), "settings": list(settings), "samples/s before": round(before, 2),
+            "samples/s during": round(during, 2), "ratio": round(during / before, 2) if before else None,
+            **outcome(run_dir)}
 
 
-def fuzz(run_dir: Path, messages: int) -> list[dict]:
-    cfg = load_config(overrides=[*SMALL, f'run_dir="{run_dir}"', "local.servers_per_stage=1"])
+def outcome(run_dir: Path) -> dict:
+    """What the run's report says the attack did: the stages' steps, epochs whose replicas logged
+    different parameter digests (0: bit-identical), steps whose gradient was not finite (not applied),
+    the honest trainers' delivery, the hostile calls refused for their gradients' norm, and the last
+    loss (finite weights give a finite loss)."""
+    summary = write_report(run_dir)
+    stages = summary["stages"].values()
+    digests: dict[tuple[int, int], set[str]] = {}
+    non_finite = 0
+    for stage, servers in read_steps(run_dir, superseded=False).items():
+        for step in (step for steps in servers for step in steps):
+            digests.setdefault((stage, step["epoch"]), set()).add(step["digest"])
+            non_finite += not math.isfinite(step["grad_norm"])
+    return {"steps by stage": [st["steps"] for st in stages],
+            "epochs whose digests differ": sum(len(d) > 1 for d in digests.values()),
+            "non-finite steps": non_finite,
+            "microbatches failed": summary["microbatches_failed"], "unresolved": summary["unresolved"],
+            "missing": sum(st["delivery"]["missing"] for st in stages),
+            "duplicated": sum(st["delivery"]["duplicated"] for st in stages),
+            "backward calls refused for their gradient's norm": sum(  # as the hostile peers were told
+                log.read_text().count("grad_outputs: norm") for log in (run_dir / "logs").glob("hostile-*.log")),
+            "final loss": None if summary["final_loss"] is None else round(summary["final_loss"], 3)}
+
+
+def fuzz(run_dir: Path, messages: int, settings: tuple[str, ...] = ()) -> list[dict]:
+    cfg = load_config(overrides=[*SMALL, *settings, f'run_dir="{run_dir}"', "local.servers_per_stage=1"])
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()
     for stage in range(cfg.model.num_stages):
@@ -96,14 +125,16 @@ def main() -> None:
     parser.add_argument("--all-at-once", action="store_true", help="only every attack together")
     parser.add_argument("--no-attacks", action="store_true", help="the fuzzer only")
     parser.add_argument("--run-dir", default="runs/attacks")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help='a setting of every swarm it starts, e.g. optim.mode="async" (repeatable)')
     args = parser.parse_args()
     root = Path(args.run_dir)
     runs = [(k,) for k in (args.only or ATTACKS)] + ([] if args.only else [tuple(ATTACKS)])
     runs = [] if args.no_attacks else [tuple(ATTACKS)] if args.all_at_once else runs
     for kinds in runs:
-        print(json.dumps(measure(kinds, root / "+".join(kinds), args.window)), flush=True)
+        print(json.dumps(measure(kinds, root / "+".join(kinds), args.window, tuple(args.set))), flush=True)
     if args.fuzz_messages:
-        for row in fuzz(root / "fuzz", args.fuzz_messages):
+        for row in fuzz(root / "fuzz", args.fuzz_messages, tuple(args.set)):
             print(json.dumps(row), flush=True)
 
 

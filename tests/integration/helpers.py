@@ -90,10 +90,12 @@ def server_steps(run_dir, peer_id: str) -> list[dict]:
 
 
 def assert_states_equal(cfg, swarm: LocalSwarm) -> None:
+    """Every stage's live replicas hold the same weights, all finite."""
     fetched = fetch_stage_states(cfg, swarm.initial_peers)
     for stage in range(cfg.model.num_stages):
         states = list(fetched.get(stage, {}).values())
         assert len(states) >= 1
+        assert all(bool(torch.isfinite(t).all()) for state in states for t in state), f"stage {stage} not finite"
         for other in states[1:]:
             worst = max(float((a - b).abs().max()) for a, b in zip(states[0], other, strict=True))
             assert worst <= 1e-6, f"stage {stage} replicas differ by {worst}"

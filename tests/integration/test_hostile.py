@@ -5,6 +5,7 @@ replicas stay identical, and no microbatch is lost or counted twice."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from swarm.net.transport import CallFailed, StageClient
 from swarm.ops import netlab
 from swarm.ops.hostile import Attack
 from swarm.ops.local import LocalSwarm
+from swarm.ops.report import read_steps
 
-from .helpers import assert_replicas_in_step, finish, run_swarm, small_config, wait_for_stages
+from .helpers import assert_exactly_once, assert_replicas_in_step, finish, run_swarm, small_config, wait_for_stages
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +55,35 @@ def test_hostile_peers_together_neither_stop_nor_poison_the_swarm(tmp_path: Path
     assert " up on " in newcomer[0].log_path.read_text()
     trainers = "".join(p.read_text() for p in (tmp_path / "logs").glob("trainer-*.log"))
     assert "refused by a hostile server" in trainers  # the refuser was called, and routed around
+
+
+NO_CODEC = ('wire.activations="none"', 'wire.gradients="none"', 'wire.allreduce="none"')
+
+
+@pytest.mark.slow  # ~70 s each on 2 cores: in make test-slow; benchmarks/attacks.py measures each setting
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("settings", [(), NO_CODEC, ('optim.mode="async"',)], ids=["blockwise8", "none", "async"])
+def test_a_trainer_sending_huge_gradients_neither_stops_nor_poisons_the_swarm(tmp_path: Path,
+                                                                                settings: tuple[str, ...]) -> None:
+    """A trainer running the project's own code, whose every backward call carries an output gradient of
+    values up to 3e38 (finite in float32, so only the bound on its norm, `server.max_grad_norm`, stops
+    it), with the default codec, with none, and in async mode, where every gradient is applied at once."""
+    cfg = small_config(tmp_path, "trainer.target_steps=100000", "local.timeout=240.0", *settings)
+    swarm = LocalSwarm(cfg)
+    attack = Attack(swarm, ("poison-trainer",), finish, window=10.0)
+    summary = run_swarm(swarm, attack)  # the replicas' final weights: equal within a stage, and finite
+    assert [p.returncode for p in attack.processes] == [0]
+    before, during = attack.rates()
+    assert during >= 0.5 * before, (before, during)
+    hostile = (tmp_path / "logs" / "hostile-poison-trainer.log").read_text()
+    assert "grad_outputs: norm" in hostile  # its gradients reached stage 0, and were refused there
+    # delivery is exact for the honest trainers; the poison trainer's last-stage gradients are its orphans,
+    # and none of its gradients entered stage 0
+    assert_exactly_once(summary, orphans_allowed=True)
+    assert summary["stages"]["0"]["delivery"]["not_completed"] == 0
+    assert_replicas_in_step(summary, tmp_path)
+    steps = [step for servers in read_steps(tmp_path).values() for records in servers for step in records]
+    assert steps and all(math.isfinite(step["grad_norm"]) for step in steps)
 
 
 @pytest.mark.timeout(180)
