@@ -4,10 +4,12 @@ For each hostile peer of `swarm.ops.hostile`, alone and then all together, a loc
 servers, 2 trainers) trains until its slowest stage has warmed up, is measured for `--window` seconds,
 then attacked for as long: the figure is the samples per second the trainers completed in each window,
 with what the run's report says of it (steps, replicas, delivery, refused gradients, the last loss). Then the
-fuzzer (`swarm.net.fuzz`) sends `--fuzz-messages` random and mutated messages to a server of each stage.
+fuzzer (`swarm.net.fuzz`) sends `--fuzz-messages` random and mutated messages to a server of each stage
+(to each of its calls with `--fuzz-per-call`), and reads each server's event-loop lag and peak memory.
 `--set KEY=VALUE` (repeated) changes the settings of every swarm it starts, e.g. its codecs or `optim.mode`.
 
     .venv/bin/python benchmarks/attacks.py [--window 20] [--fuzz-messages 10000] [--set KEY=VALUE ...]
+                                           [--fuzz-per-call] [--fuzz-stages K ...]
                                            [--only KIND ... | --all-at-once | --no-attacks]
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from swarm.config import load_config
 from swarm.net.directory import Directory
-from swarm.net.fuzz import Fuzzer, forward_targets
+from swarm.net.fuzz import METHODS, Fuzzer, forward_targets
 from swarm.net.node import start_dht
 from swarm.net.transport import StageClient
 from swarm.ops.hostile import ATTACKS, Attack
@@ -81,7 +83,10 @@ def outcome(run_dir: Path) -> dict:
             "final loss": None if summary["final_loss"] is None else round(summary["final_loss"], 3)}
 
 
-def fuzz(run_dir: Path, messages: int, settings: tuple[str, ...] = ()) -> list[dict]:
+def fuzz(run_dir: Path, messages: int, settings: tuple[str, ...] = (), per_call: bool = False,
+         stages: tuple[int, ...] | None = None) -> list[dict]:
+    """`messages` to each stage's server (to each of its calls with `per_call`), spread at random over
+    the kinds of message; then each server's event-loop lag and peak memory over its life."""
     cfg = load_config(overrides=[*SMALL, *settings, f'run_dir="{run_dir}"', "local.servers_per_stage=1"])
     swarm = LocalSwarm(cfg)
     swarm.start_bootstrap()
@@ -93,14 +98,16 @@ def fuzz(run_dir: Path, messages: int, settings: tuple[str, ...] = ()) -> list[d
         try:
             p2p = await dht.replicate_p2p()
             directory = Directory(dht, cfg.net.run_id, cfg.net.record_ttl)
-            while not all((stages := await directory.stages(cfg.model.num_stages)).values()):
+            while not all((found := await directory.stages(cfg.model.num_stages)).values()):
                 await asyncio.sleep(0.5)
             fuzzer, rows = Fuzzer(p2p, StageClient(p2p), seed=0), []
-            for target in forward_targets(cfg, {stage: records[0].peer_id for stage, records in stages.items()}):
+            servers = {k: records[0].peer_id for k, records in found.items() if stages is None or k in stages}
+            for target, methods in ((t, m) for t in forward_targets(cfg, servers)
+                                    for m in ([(m,) for m in METHODS] if per_call else [METHODS])):
                 started = time.monotonic()
-                report = await fuzzer.run(target, messages)
+                report = await fuzzer.run(target, messages, methods=methods)
                 seconds = round(time.monotonic() - started, 1)
-                rows.append({"stage": target.stage, "messages": report.sent, "seconds": seconds,
+                rows.append({"stage": target.stage, "calls": list(methods), "messages": report.sent, "seconds": seconds,
                              "outcomes": dict(sorted(report.outcomes.items())), "problems": report.problems[:5],
                              "slowest answer s": round(report.slowest_answer, 3),
                              "slowest good call after a batch s": round(report.slowest_alive_check, 3)})
@@ -110,11 +117,16 @@ def fuzz(run_dir: Path, messages: int, settings: tuple[str, ...] = ()) -> list[d
 
     try:
         rows = asyncio.run(run())
-        for row, server in zip(rows, swarm.servers(), strict=True):
-            row["server alive"] = server.alive()
-        return rows
+        alive = {server.stage: server.alive() for server in swarm.servers()}
+        for row in rows:
+            row["server alive"] = alive[row["stage"]]
     finally:
         swarm.stop()
+    for path in sorted((run_dir / "peers").glob("server-s*.json")):
+        summary = json.loads(path.read_text())
+        rows.append({"stage": summary["stage"], **{k: summary.get(k) for k in (
+            "max_loop_lag_s", "loop_lags_over_100ms", "peak_rss_mb", "alive_seconds")}})
+    return rows
 
 
 def main() -> None:
@@ -124,6 +136,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=ATTACKS, help="these attacks alone (default: each, then all)")
     parser.add_argument("--all-at-once", action="store_true", help="only every attack together")
     parser.add_argument("--no-attacks", action="store_true", help="the fuzzer only")
+    parser.add_argument("--fuzz-per-call", action="store_true", help="--fuzz-messages to each call, not in all")
+    parser.add_argument("--fuzz-stages", type=int, nargs="+", help="fuzz these stages' servers (default: all)")
     parser.add_argument("--run-dir", default="runs/attacks")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help='a setting of every swarm it starts, e.g. optim.mode="async" (repeatable)')
@@ -134,7 +148,8 @@ def main() -> None:
     for kinds in runs:
         print(json.dumps(measure(kinds, root / "+".join(kinds), args.window, tuple(args.set))), flush=True)
     if args.fuzz_messages:
-        for row in fuzz(root / "fuzz", args.fuzz_messages, tuple(args.set)):
+        stages = tuple(args.fuzz_stages) if args.fuzz_stages else None
+        for row in fuzz(root / "fuzz", args.fuzz_messages, tuple(args.set), args.fuzz_per_call, stages):
             print(json.dumps(row), flush=True)
 
 

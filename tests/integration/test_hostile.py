@@ -86,6 +86,28 @@ def test_a_trainer_sending_huge_gradients_neither_stops_nor_poisons_the_swarm(tm
     assert steps and all(math.isfinite(step["grad_norm"]) for step in steps)
 
 
+@pytest.mark.slow  # ~80 s on 2 cores: in make test-slow; benchmarks/attacks.py --only forging-replica measures it
+@pytest.mark.timeout(300)
+def test_a_replica_claiming_microbatches_or_samples_it_never_held_is_left_out(tmp_path: Path) -> None:
+    """A third replica of stage 1, the project's own server, whose all-reduce contributions list a
+    microbatch of a trainer it never served (a receipt copied from another) or claim 100 times its samples,
+    in turn. The honest owners refuse its parts as poison and the honest replicas step without it; no
+    honest trainer's microbatch is lost or counted twice, and no step takes in a sample it should not."""
+    cfg = small_config(tmp_path, "trainer.target_steps=100000", "local.timeout=240.0")
+    swarm = LocalSwarm(cfg)
+    attack = Attack(swarm, ("forging-replica",), finish, window=15.0)
+    summary = run_swarm(swarm, attack)
+    assert [p.returncode for p in attack.processes] == [0]
+    before, during = attack.rates()
+    assert during >= 0.5 * before, (before, during)
+    honest = "".join(p.read_text() for p in (tmp_path / "logs").glob("server-s1-*.log"))
+    assert "without its trainer's receipt" in honest and "its receipts show" in honest
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+    steps = [step for records in read_steps(tmp_path)[1] for step in records]
+    assert not any("never-held" in i for step in steps for i in step.get("ids", []))
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(os.geteuid() != 0 or not netlab.available(), reason="network namespaces need root and iproute2")
 def test_a_private_swarm_gives_a_stranger_nothing_to_read_no_place_to_write_and_no_answer(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ class Contribution:
             raise BadRequest("malformed reduce request: group and ids must list at most "
                              f"{MAX_GROUP} and {MAX_IDS} short strings")
         if samples < 0 or (bounds.samples_per_id and samples > len(ids) * bounds.samples_per_id):
-            raise BadRequest(f"reduce request claims {samples} samples for {len(ids)} microbatch(es)")
+            raise BadRequest(f"{POISON} reduce request claims {samples} samples for {len(ids)} microbatch(es)")
         if sender not in group or len(tensors) != 1:
             raise BadRequest("reduce request from outside its own group")
         part = tensors[0]

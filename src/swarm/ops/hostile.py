@@ -13,8 +13,12 @@ against a `LocalSwarm` once the swarm has warmed up, and measures the steps befo
 - `refuser`: serves stage 1 with a record like an honest server's and refuses every call it gets;
 - `poison-trainer`: the project's own trainer (same config, same initial peers), but the gradient of the
   stage output that each of its backward calls carries is scaled so that its largest value is 3e38:
-  finite in float32, so only the servers' bounds stop it (see `PoisonCaller`). Its results go to
-  RUN_DIR/hostile, so that the run's report counts the honest trainers only.
+  finite in float32, so only the servers' bounds stop it;
+- `forging-replica`: the project's own server of stage 1, whose all-reduce contributions list a
+  microbatch it never held (with a receipt copied from another) or claim 100 times its samples, in turn.
+
+The last two run the project's own peers (swarm.ops.insiders), their results in RUN_DIR/hostile so that
+the run's report counts the honest peers only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import statistics
 import subprocess
 import sys
@@ -30,23 +33,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import swarm.trainer.trainer as trainer_module
 from swarm import logs
-from swarm.config import SwarmConfig, agreed, config_hash, load_config
+from swarm.config import agreed, config_hash, load_config
 from swarm.exiting import exit_now
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.net.servicer import StageServicer
-from swarm.trainer.calls import Served, StageCaller
+from swarm.ops.insiders import ATTACKING, INSIDERS
 from swarm.wire import PROTOCOL_VERSION
 from swarm.wire.records import ServerRecord, stage_key
 from swarm.wire.validate import BadRequest
 
-ATTACKS = ("forged-record", "wrong-hash", "junk-records", "refuser", "poison-trainer")
-ATTACKING = "attacking"  # what a hostile peer prints once it has joined and begins
-HUGE = 3e38  # the largest gradient value a poison trainer sends: float32 holds it (up to 3.4e38), not its square
+ATTACKS = ("forged-record", "wrong-hash", "junk-records", "refuser", *INSIDERS)
 
 
 class Refuser:
@@ -97,58 +95,12 @@ async def attack(kind: str, dht, cfg) -> None:
         await asyncio.sleep(1.0)
 
 
-def poisoned(grad: torch.Tensor) -> torch.Tensor:
-    """`grad` scaled so that its largest magnitude is `HUGE` (all `HUGE` where it is zero): every value is
-    finite, so no check for NaN or infinity refuses it, while its L2 norm overflows float32."""
-    peak = grad.abs().max()
-    return grad / peak * HUGE if peak > 0 else torch.full_like(grad, HUGE)
-
-
-class PoisonCaller(StageCaller):
-    """The trainer's stage caller (`swarm.trainer.calls`), but every backward call, and every replay of
-    one, carries the gradient of the stage's output `poisoned`: the narrowest change that makes the
-    project's own trainer hostile, since every output gradient it sends passes through `call`.
-    `began` is set at its first backward call (the attack has begun)."""
-
-    def __init__(self, began: asyncio.Event, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.began = began
-
-    async def call(self, stage: int, method: str, req: str, tensors: list[torch.Tensor], prefer: str | None = None,
-                   accumulating: bool = False) -> Served:
-        if method == "backward":
-            self.began.set()
-            tensors = [tensors[0], poisoned(tensors[1])]
-        return await super().call(stage, method, req, tensors, prefer=prefer, accumulating=accumulating)
-
-
-async def poison_trainer(cfg: SwarmConfig, seconds: float) -> None:
-    """Train as any trainer does, but through a `PoisonCaller`, for `seconds` from the first poisoned
-    call; then stop at once (its microbatches in flight are abandoned, as they would be on SIGINT)."""
-    began, stop = asyncio.Event(), asyncio.Event()
-    # this process runs this one trainer and exits: its module builds its stage caller from this name
-    trainer_module.StageCaller = functools.partial(PoisonCaller, began)
-    trainer = trainer_module.Trainer(cfg)
-    training = asyncio.create_task(trainer.train(stop))
-    beginning = asyncio.create_task(began.wait())
-    await asyncio.wait({training, beginning}, return_when=asyncio.FIRST_COMPLETED)
-    beginning.cancel()
-    if training.done():
-        training.result()  # raises what ended it
-        raise RuntimeError("the trainer ended before it sent a gradient")
-    print(f"hostile poison-trainer from {trainer.peer_id}: {ATTACKING}", flush=True)
-    await asyncio.wait({training}, timeout=seconds)
-    stop.set()
-    await training
-
-
 async def main(args: argparse.Namespace) -> None:
     cfg = load_config(args.config)
     overrides = [f"net.initial_peers={list(args.initial_peers)!r}".replace("'", '"'), 'net.host="127.0.0.1"']
-    if args.attack == "poison-trainer":
-        # bans of 0 s: it does not back off from the servers that refuse it, as an honest trainer would
-        overrides += ["trainer.ban_seconds=0.0", f'run_dir="{cfg.run_dir}/hostile"']
-        await poison_trainer(load_config(args.config, overrides=overrides), args.seconds)
+    if args.attack in INSIDERS:  # runs the project's own peer; its results go apart from the honest ones'
+        overrides.append(f'run_dir="{cfg.run_dir}/hostile"')
+        await INSIDERS[args.attack](load_config(args.config, overrides=overrides), args.seconds)
         print(f"hostile {args.attack} done", flush=True)
         return
     dht = start_dht(load_config(overrides=overrides).net, client_mode=args.attack != "refuser")
