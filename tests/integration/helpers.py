@@ -61,9 +61,10 @@ def fetch_stage_states(cfg: SwarmConfig, initial_peers: tuple[str, ...]) -> dict
 
 
 def tracebacks(run_dir: Path) -> dict[str, str]:
-    """Log files that contain a Python traceback, with the text around it."""
+    """Log files of the swarm's peers that contain a Python traceback, with the text around it (a hostile
+    peer's own log, swarm.ops.hostile, is not the swarm's)."""
     found = {}
-    for log in sorted((run_dir / "logs").glob("*.log")):
+    for log in sorted(p for p in (run_dir / "logs").glob("*.log") if not p.name.startswith("hostile-")):
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             found[log.name] = text[text.index("Traceback") - 200 :][:2000]

@@ -90,8 +90,8 @@ def test_a_trainer_sending_huge_gradients_neither_stops_nor_poisons_the_swarm(tm
 @pytest.mark.timeout(300)
 def test_a_replica_claiming_microbatches_or_samples_it_never_held_is_left_out(tmp_path: Path) -> None:
     """A third replica of stage 1, the project's own server, whose all-reduce contributions list a
-    microbatch of a trainer it never served (a receipt copied from another) or claim 100 times its samples,
-    in turn. The honest owners refuse its parts as poison and the honest replicas step without it; no
+    microbatch of a trainer it never served (a receipt copied from another) or one sample more than they
+    hold, in turn. The honest owners refuse its parts as poison and the honest replicas step without it; no
     honest trainer's microbatch is lost or counted twice, and no step takes in a sample it should not."""
     cfg = small_config(tmp_path, "trainer.target_steps=100000", "local.timeout=240.0")
     swarm = LocalSwarm(cfg)

@@ -575,3 +575,23 @@ def test_a_contribution_whose_receipts_do_not_show_its_claim_is_refused_as_poiso
             await asyncio.gather(round_, return_exceptions=True)
 
     run_all(main())
+
+
+def test_a_member_that_never_sends_its_part_is_named_by_every_member_even_after_a_groupmate_gave_up() -> None:
+    """peerC takes part in nothing. peerB's patience runs out first: it names peerC and gives its round up,
+    so peerA's part to peerB is answered "abandoned" long before peerA's own timeout. peerA still names peerC
+    (its part never reached peerA either), so that both leave it out of their next groups; before, peerA
+    failed at once without a name and kept proposing peerC, which peerB kept refusing."""
+    group = ("peerA", "peerB", "peerC")
+    members: dict[str, StageAllReduce] = {}
+    for peer, timeout in (("peerA", 2.0), ("peerB", 0.5), ("peerC", 10.0)):  # peerC never runs its round
+        members[peer] = StageAllReduce(LoopbackClient(peer, members, EXACT), peer, stage=1, timeout=timeout,
+                                       on_wake=always, bounds=Bounds())
+    flat = grads({"peerA": 1, "peerB": 1}, 30)
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(members[p].run(0, group, flat[p], 1) for p in ("peerA", "peerB")),
+                                    return_exceptions=True)
+
+    outcomes = run_all(main())
+    assert all(isinstance(o, RoundFailed) and o.unreachable == frozenset({"peerC"}) for o in outcomes), outcomes

@@ -31,6 +31,7 @@ the report leaves such superseded steps out of the stage's history.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from swarm.wire.validate import BadRequest
 log = logging.getLogger(__name__)
 # receipts checked on the event loop (about 0.1 ms each): then every owner refuses a forged list before any
 # round of the epoch can end, so every honest member names its sender. Longer lists go to a thread
+ABANDONED = "was abandoned"  # how an owner that gave up its round answers the parts still waiting
 RECEIPTS_INLINE = 512
 
 
@@ -177,6 +179,7 @@ class StageAllReduce:
         ]
         gathered = asyncio.gather(*tasks)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
+        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
             results = await asyncio.wait_for(gathered, self.timeout)
         except _Unreachable as e:
@@ -190,6 +193,9 @@ class StageAllReduce:
                 raise WeightsDiverged(str(e), group) from e
             if rnd.poisoned:  # left out of the next groups, like a member that does not answer
                 raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
+            if ABANDONED in str(e) and (silent := await self._silent_until(rnd, deadline)):
+                raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
+                                  f"within {self.timeout:.0f}s", silent) from e
             members = ",".join(map(short, group))
             refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
             kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
@@ -210,6 +216,19 @@ class StageAllReduce:
             del self._finished[old]
         total, merged = totals.pop()
         return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
+
+    async def _silent_until(self, rnd: _Round, deadline: float) -> frozenset[str]:
+        """The members whose part has not reached our own part's round by `deadline` (or by its end).
+
+        A groupmate that gave up its round because a member sent it nothing ("abandoned") had sent us its
+        part when it began, so what is missing here at our own deadline is missing for the same reason: we
+        name the silent member as the groupmate did. Failing at once instead left us without that
+        evidence, to propose the silent member again and again while the groupmate refused to join it."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rnd.complete.wait(), max(0.0, deadline - asyncio.get_running_loop().time()))
+        if rnd.result is not None:
+            return frozenset()
+        return frozenset(rnd.group) - rnd.contributions.keys() - rnd.poisoned - {self.own_id}
 
     async def _exchange(
         self,
@@ -287,7 +306,7 @@ class StageAllReduce:
                 self._reduce(rnd, c.epoch)
         await rnd.complete.wait()
         if rnd.result is None:
-            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} was abandoned")
+            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} {ABANDONED}")
         return self._answer(rnd.result)
 
     async def _round_for(self, c: Contribution) -> _Round:

@@ -25,7 +25,6 @@ from swarm.trainer.calls import Served, StageCaller
 
 ATTACKING = "attacking"  # what a hostile peer prints once it has joined and begins
 HUGE = 3e38  # the largest gradient value a poison trainer sends: float32 holds it (up to 3.4e38), not its square
-INFLATION = 100  # how many times its samples a forging replica claims, every other round
 
 
 def poisoned(grad: torch.Tensor) -> torch.Tensor:
@@ -64,9 +63,10 @@ async def poison_trainer(cfg: SwarmConfig, seconds: float) -> None:
 
 
 class ForgingAllReduce(StageAllReduce):
-    """The stage's all-reduce, but each contribution this replica makes claims what it never held: on even
-    epochs a microbatch of a trainer it never served (with one of its real receipts copied, so the list is
-    well-formed), on odd ones INFLATION times its samples. Honest owners check every listed microbatch's
+    """The stage's all-reduce, but each contribution this replica makes claims what it never held, in turn:
+    a microbatch of a trainer it never served (with one of its real receipts copied, so the list is
+    well-formed), or one sample more than it holds (within every per-microbatch bound, so that only the
+    receipts tell). Honest owners check every listed microbatch's
     receipt and the samples they add up to (swarm.averaging.checks.check_receipts), so they must refuse
     its part as poison. `began` is set at its first contribution."""
 
@@ -75,17 +75,19 @@ class ForgingAllReduce(StageAllReduce):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.bounds = Bounds()  # it takes its own lies as the owner of its part: they must reach the others
+        self.rounds = 0
 
     async def run(self, epoch: int, group: tuple[str, ...], flat_grad: torch.Tensor, samples: int,
                   digest: str = "", ids: list[str] | None = None, receipts: list[list] | None = None) -> Any:
         ids, receipts = list(ids or []), list(receipts or [])
-        if epoch % 2 == 0 and receipts:
+        self.rounds += 1
+        if self.rounds % 2 and receipts:
             stranger = peer_id_of(Ed25519PrivateKey.generate().public_key())
             ids.append(f"{stranger}/never-held-{epoch}")
             receipts.append(list(receipts[0]))
             samples += receipts[0][0]
         else:
-            samples = (samples + 1) * INFLATION
+            samples += 1
         self.began.set()
         return await super().run(epoch, group, flat_grad, samples, digest, ids, receipts)
 
