@@ -31,7 +31,6 @@ the report leaves such superseded steps out of the stage's history.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import statistics
 from collections.abc import Callable
@@ -109,6 +108,7 @@ class _Round:
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: tuple[codecs.Packed, int, list[str]] | None = None
     poisoned: set[str] = field(default_factory=set)  # members whose contribution was refused as poison
+    silent: frozenset[str] = frozenset()  # members whose part never came (why the round was given up)
 
 
 @dataclass
@@ -179,13 +179,12 @@ class StageAllReduce:
         ]
         gathered = asyncio.gather(*tasks)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
-        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
             results = await asyncio.wait_for(gathered, self.timeout)
         except _Unreachable as e:
             raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
         except TimeoutError as e:  # members whose part never reached us are the ones that hang
-            silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
+            silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
             raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
                               f"{self.timeout:.0f}s", silent) from e
         except (CallFailed, BadRequest) as e:
@@ -193,9 +192,9 @@ class StageAllReduce:
                 raise WeightsDiverged(str(e), group) from e
             if rnd.poisoned:  # left out of the next groups, like a member that does not answer
                 raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
-            if ABANDONED in str(e) and (silent := await self._silent_until(rnd, deadline)):
+            if ABANDONED in str(e) and (silent := self._silent_here(rnd, str(e))):
                 raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
-                                  f"within {self.timeout:.0f}s", silent) from e
+                                  "here either", silent) from e
             members = ",".join(map(short, group))
             refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
             kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
@@ -217,18 +216,16 @@ class StageAllReduce:
         total, merged = totals.pop()
         return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
 
-    async def _silent_until(self, rnd: _Round, deadline: float) -> frozenset[str]:
-        """The members whose part has not reached our own part's round by `deadline` (or by its end).
+    def _silent_here(self, rnd: _Round, abandoned: str) -> frozenset[str]:
+        """The members an owner named when it gave up its round for want of their parts ("abandoned: no part
+        from ..."), whose part has not reached our own part's round either.
 
-        A groupmate that gave up its round because a member sent it nothing ("abandoned") had sent us its
-        part when it began, so what is missing here at our own deadline is missing for the same reason: we
-        name the silent member as the groupmate did. Failing at once instead left us without that
-        evidence, to propose the silent member again and again while the groupmate refused to join it."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(rnd.complete.wait(), max(0.0, deadline - asyncio.get_running_loop().time()))
-        if rnd.result is not None:
-            return frozenset()
-        return frozenset(rnd.group) - rnd.contributions.keys() - rnd.poisoned - {self.own_id}
+        The owner waited its whole timeout; our round began with its, so a part still missing here is
+        missing for the same reason, and we leave the member out as the owner does. Only our own evidence
+        counts: a member whose part reached us is not named, whatever the owner says. (Failing without a
+        name left us proposing the silent member again and again while the owner refused to join it.)"""
+        return frozenset(m for m in rnd.group if m in abandoned and m != self.own_id
+                         and m not in rnd.contributions and m not in rnd.poisoned)
 
     async def _exchange(
         self,
@@ -306,7 +303,8 @@ class StageAllReduce:
                 self._reduce(rnd, c.epoch)
         await rnd.complete.wait()
         if rnd.result is None:
-            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} {ABANDONED}")
+            silent = f": no part from {' '.join(sorted(rnd.silent))}" if rnd.silent else ""
+            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} {ABANDONED}{silent}")
         return self._answer(rnd.result)
 
     async def _round_for(self, c: Contribution) -> _Round:
