@@ -21,6 +21,7 @@ from swarm.backup.keeper import BackupKeeper
 from swarm.config import ModelConfig, ServerConfig
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
+from swarm.net.quiet import Quiet
 from swarm.net.receipts import receipt_valid
 from swarm.server.batching import RECOMPUTE, Batcher
 from swarm.server.gate import ComputeGate, Deadline
@@ -37,6 +38,7 @@ from swarm.wire.validate import (
 )
 
 log = logging.getLogger("swarm.server")
+REFUSALS_LOGGED = 30  # refusals logged per call and minute; beyond, one line counts them
 MAX_STATE_SENDS = 2  # state downloads gathered at once
 
 
@@ -57,6 +59,7 @@ class StageHandlers:
         self.reduce_with: Callable[[dict, list, str], Any] | None = None  # the stage's all-reduce
         self.backups: BackupKeeper | None = None  # the copies of other stages this server holds
         self.sending_state: set[str] = set()  # callers whose state download is being gathered
+        self.quiet = Quiet(log, lines=REFUSALS_LOGGED)
 
     def enter(self, stage: ServedStage, batcher: Batcher, reduce_with: Callable) -> None:
         self.stage, self.batcher, self.reduce_with = stage, batcher, reduce_with
@@ -102,10 +105,13 @@ class StageHandlers:
         raise Unavailable(f"stale replica: at epoch {epoch}, the stage is at {stage_epoch}")
 
     def refused(self, method: str, caller: str, error: BadRequest) -> None:
-        """One log line per refused request; the caller got the same text back."""
+        """A log line per refused request (the caller got the same text back), up to REFUSALS_LOGGED a
+        minute per call: a peer can send garbage by the thousand (a fuzz run of 60,000 messages once wrote
+        30,000 lines)."""
         if self.stage is not None:
             self.stage.counters["refused"] += 1
-        log.warning("%s from %s refused: %s", method, short(caller), error.args[0])
+        self.quiet.warning(f"refused {method} requests", "%s from %s refused: %s", method, short(caller),
+                           error.args[0])
 
     # ---- checks on tensors -------------------------------------------------------------------
 
