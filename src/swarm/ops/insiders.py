@@ -66,9 +66,9 @@ class ForgingAllReduce(StageAllReduce):
     """The stage's all-reduce, but each contribution this replica makes claims what it never held, in turn:
     a microbatch of a trainer it never served (with one of its real receipts copied, so the list is
     well-formed), or one sample more than it holds (within every per-microbatch bound, so that only the
-    receipts tell). Honest owners check every listed microbatch's
-    receipt and the samples they add up to (swarm.averaging.checks.check_receipts), so they must refuse
-    its part as poison. `began` is set at its first contribution."""
+    receipts tell). Honest owners check every listed microbatch's receipt and the samples they add up to
+    (swarm.averaging.checks.check_receipts), so they must refuse its part as poison. `began` is set at its
+    first contribution."""
 
     began: asyncio.Event
 
