@@ -48,9 +48,9 @@ from swarm.wire import codecs
 from swarm.wire.validate import BadRequest
 
 log = logging.getLogger(__name__)
+ABANDONED = "was abandoned"  # how an owner that gave up its round answers the parts still waiting
 # receipts checked on the event loop (about 0.1 ms each): then every owner refuses a forged list before any
 # round of the epoch can end, so every honest member names its sender. Longer lists go to a thread
-ABANDONED = "was abandoned"  # how an owner that gave up its round answers the parts still waiting
 RECEIPTS_INLINE = 512
 
 

@@ -67,7 +67,6 @@ class BackupKeeper:
         self.over_budget: set[int] = set()  # stages refused for want of memory (logged once each)
         self.fresh_starts: dict[str, dict[str, Any]] = {}  # replica -> its stage and when it started afresh
         self.counters: Counter[str] = Counter()
-        self.told: set[str] = set()  # sources whose state was refused as unvouched (logged once each)
 
     async def loop(self) -> None:
         announcing = asyncio.create_task(self._announce_loop())
@@ -120,8 +119,9 @@ class BackupKeeper:
             except CallFailed as e:
                 log.warning("copy of stage %d from %s failed: %s", stage, short(source.peer_id), e)
                 continue
-            if not await self.directory.vouch(stage, self.hash, self.me, meta, records, self.announce_period):
-                self._refused(stage, source.peer_id, meta)
+            if not await self.directory.vouch(stage, self.hash, self.me, source.peer_id, meta, records,
+                                              self.announce_period):
+                self.counters["unvouched"] += 1  # no copy to restore the stage from
                 continue
             old = self.copies.get(stage)
             copy = Copy(meta, tensors, max(source.epoch, int(meta["epoch"])), source.peer_id)
@@ -141,14 +141,6 @@ class BackupKeeper:
                      copy.megabytes, short(source.peer_id), took, f"; was epoch {old.epoch}" if old else "")
             await self._announce(stage, copy)
             return
-
-    def _refused(self, stage: int, source: str, meta: dict[str, Any]) -> None:
-        """A state the stage's other replicas do not vouch for is no copy to restore the stage from."""
-        self.counters["unvouched"] += 1
-        if source not in self.told:
-            self.told.add(source)
-            log.warning("copy of stage %d from %s refused: the stage's other replicas do not vouch for its digest "
-                        "%s at epoch %s", stage, short(source), str(meta.get("digest"))[:16], meta.get("epoch"))
 
     async def _announce_loop(self) -> None:
         while True:

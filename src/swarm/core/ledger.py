@@ -18,22 +18,22 @@ class Ledger:
         self.pending: dict[str, int] = {}  # microbatch id -> samples, accumulated since the last step
         self.pending_samples = 0  # their sum, readable from the network thread without iterating
         self.committed: dict[str, int] = {}  # microbatch id -> the epoch its step produced (recent steps)
-        # microbatch id -> (samples, the trainer's receipt), shown to groupmates (see swarm.net.receipts)
-        self.receipts: dict[str, tuple[int, str]] = {}
+        # microbatch id -> the trainer's receipt, shown to groupmates (see swarm.net.receipts)
+        self.receipts: dict[str, str] = {}
 
     def accumulates(self, req_id: str) -> bool:
         """Whether a gradient for `req_id` would be new to the stage (else it is a duplicate)."""
         return req_id not in self.pending and req_id not in self.committed
 
-    def note_receipt(self, req_id: str, samples: int, receipt: str) -> None:
+    def note_receipt(self, req_id: str, receipt: str) -> None:
         """Keep a gradient's receipt, taken before it is accumulated."""
-        self.receipts[req_id] = (samples, receipt)
+        self.receipts[req_id] = receipt
         while len(self.receipts) > MAX_RECEIPTS:
             del self.receipts[next(iter(self.receipts))]
 
     def receipts_for(self, ids: Iterable[str]) -> list[list]:
-        """[samples, receipt] of each id ([0, ""] where none was kept)."""
-        return [list(self.receipts.get(req_id, (0, ""))) for req_id in ids]
+        """[samples, receipt] of each held id, as a round lists them ("" where no receipt was kept)."""
+        return [[self.pending.get(req_id, 0), self.receipts.get(req_id, "")] for req_id in ids]
 
     def hold(self, req_id: str, samples: int) -> None:
         self.pending[req_id] = samples

@@ -38,6 +38,7 @@ class Directory:
         self.dht = dht
         self.run_id = run_id
         self.ttl = record_ttl
+        self._unvouched: set[str] = set()  # sources of states refused as unvouched (logged once each)
 
     async def announce_server(self, record: ServerRecord) -> None:
         await self.dht.store(
@@ -58,21 +59,24 @@ class Directory:
         parse = _by_peer(ServerRecord.from_value)
         return [r for r in _parse(found, parse, self.ttl + CLOCK_SLACK) if not r.gone and r.stage == stage]
 
-    async def vouch(self, stage: int, config_hash: str, me: str, meta: dict, known: Iterable[ServerRecord],
-                    wait: float) -> bool:
-        """Whether the replicas of `stage` other than `me` vouch for a downloaded state described by `meta`
-        (its epoch and digest; see swarm.core.vouching), from the records `known` (read before the download)
-        and up to `LOOKS` reads of the stage's records after it, `wait` seconds apart."""
+    async def vouch(self, stage: int, config_hash: str, me: str, source: str, meta: dict,
+                    known: Iterable[ServerRecord], wait: float) -> bool:
+        """Whether the replicas of `stage` other than `me` vouch for a state `source` served, described by
+        `meta` (its epoch and digest; see swarm.core.vouching), from the records `known` (read before the
+        download) and up to `LOOKS` reads of the stage's records after it, `wait` seconds apart. A source
+        refused so is logged once."""
         digest, epoch = meta.get("digest"), meta.get("epoch")
-        if not isinstance(digest, str) or not isinstance(epoch, int):
-            return False
         seen = _announced(known, config_hash)
-        for look in range(LOOKS):
+        for look in range(LOOKS if isinstance(digest, str) and isinstance(epoch, int) else 0):
             if look:
                 await asyncio.sleep(wait)
             seen |= _announced(await self.stage(stage), config_hash)
             if vouched(digest, epoch, seen, me):
                 return True
+        if source not in self._unvouched:
+            self._unvouched.add(source)
+            log.warning("state of stage %d from %s refused: the stage's other replicas do not vouch for its digest "
+                        "%s at epoch %s", stage, short(source), str(digest)[:16], epoch)
         return False
 
     async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:

@@ -197,7 +197,7 @@ class StageHandlers:
             return  # nothing will be accumulated: the input gradient alone is sent back
         if not receipt_valid(call.receipt, key, st.index, st.peer_id, samples):
             raise BadRequest("an accumulating call needs its trainer's receipt for this server, stage and samples")
-        st.runtime.book.note_receipt(key, samples, call.receipt)
+        st.runtime.book.note_receipt(key, call.receipt)
 
     async def state(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         """The stage's whole state, to a replica catching up or a newcomer: at most MAX_STATE_SENDS at a time,

@@ -38,7 +38,6 @@ class StateTransfer:
         self.announce_period = announce_period
         self.local_copy = local_copy
         self.unvouched: set[str] = set()  # the sources whose state the last download refused as unvouched
-        self._told: set[str] = set()  # sources already logged for it
 
     async def download(self, candidates: Sequence[ServerRecord | BackupRecord], force: bool = False,
                        method: str = "state") -> bool:
@@ -83,18 +82,13 @@ class StateTransfer:
 
     async def _vouched(self, source: str, meta: dict[str, Any],
                        known: Sequence[ServerRecord | BackupRecord]) -> bool:
-        """Whether the stage's other replicas vouch for the state `source` served (swarm.core.vouching),
-        looking again for a few announcement periods. A source whose state they do not vouch for is noted
-        in `unvouched`, and logged once."""
+        """Whether the stage's other replicas vouch for the state `source` served (swarm.core.vouching); a
+        source they do not vouch for is noted in `unvouched`."""
         records = [r for r in known if isinstance(r, ServerRecord)]
-        if await self.directory.vouch(self.stage.index, self.hash, self.stage.peer_id, meta, records,
+        if await self.directory.vouch(self.stage.index, self.hash, self.stage.peer_id, source, meta, records,
                                       self.announce_period):
             return True
         self.unvouched.add(source)
-        if source not in self._told:
-            self._told.add(source)
-            log.warning("state from %s refused: the other replicas of stage %d do not vouch for its digest %s at "
-                        "epoch %s", short(source), self.stage.index, str(meta.get("digest"))[:16], meta.get("epoch"))
         return False
 
     async def _fetch(self, peer: str, method: str) -> Reply:
