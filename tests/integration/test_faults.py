@@ -75,8 +75,9 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
     (a stalled machine: no connection breaks): its calls are given up once its record lapses, within
     net.record_ttl and a view refresh or two, not at their timeouts. The stage steps on without it;
     thawed, it downloads the current state (it never serves its stale weights) and steps with its stage
-    again. Then it is slowed again and its main process alone is SIGKILLed: its helpers go with it, the
-    connections break, and the calls it had are re-sent at once. Gradients it held unstepped are
+    again. Then it and its stage's other server are slowed alike (trainers favour the faster of two, so
+    both are slow for calls to keep waiting at it), and its main process alone is SIGKILLed: its helpers
+    go with it, the connections break, and the calls it had are re-sent at once. Gradients it held unstepped are
     accumulated again from what the trainers kept."""
     cfg = small_config(tmp_path, "trainer.target_steps=1000", "trainer.min_request_timeout=12.0",
                        "trainer.request_timeout=14.0", f"trainer.ban_seconds={BAN}")
@@ -102,9 +103,10 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
             if caught_up and any(s["epoch"] > int(caught_up[-1]) and s["group"] == 2 for s in steps_of(victim[0])):
                 marks["back"] = now  # caught up, and stepped with its stage again
                 faults.delay(victim[0], seconds=0.5)
+                faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=0.5)
         # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed, so
         # that some of their calls wait at it again
-        elif len(kinds) == 5 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1:
+        elif len(kinds) == 6 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1:
             os.kill(victim[0].process.pid, signal.SIGKILL)
             marks["killed"] = time.time()
         elif "killed" in marks and "end" not in marks and now - marks["killed"] > 10:

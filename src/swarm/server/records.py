@@ -14,15 +14,10 @@ class BatchGraph:
 
     inputs: torch.Tensor
     outputs: torch.Tensor
-    epoch: int
     created: float
     rows: dict[str, slice]  # request id -> its rows in the batch
     version: int = 0  # of the weights the forward ran at
     stash: dict[str, torch.Tensor] | None = None  # async: the copy of the weights it ran at
-
-    def valid_for(self, epoch: int) -> bool:
-        """A stashed graph holds its own weights; any other holds the live ones, changed by each step."""
-        return self.stash is not None or self.epoch == epoch
 
     @property
     def size(self) -> int:

@@ -8,12 +8,14 @@ Gradients are accumulated as *sums over samples* (the last stage back-propagates
 an all-reduced sum divided by the stage's total sample count is the exact mean gradient of the step,
 however unevenly trainers spread their microbatches over the replicas.
 
-Forward graphs are kept so that the backward usually costs one backward pass (the fast path). A kept
-graph is only valid for the epoch it was built in: the optimizer step changes the weights in place,
-so after a step (or when the graph was evicted, or the backward arrives at another replica) the
-backward recomputes the forward from the inputs the trainer sends along. A graph built for a batch
-of several requests is back-propagated once for all of them (`backward_batch`): running it once per
-request would cost a full batch backward each time.
+Forward graphs are kept so that the backward usually costs one backward pass (the fast path). A step
+that comes between a forward and its backward does not spoil the graph: the weights it ran at are kept
+for it (`swarm.server.stash`), so its backward is the exact gradient at those weights, accumulated into
+the step that follows. Only a graph that was evicted, a weight change other than a step (a downloaded
+state), or a backward that arrives at another replica makes the backward recompute the forward from
+the inputs the trainer sends along. A graph built for a batch of several requests is back-propagated
+once for all of them (`backward_batch`): running it once per request would cost a full batch backward
+each time.
 
 Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its
 microbatch's mean gradient at once (a local update). Each forward then runs on a copy of the weights it
@@ -36,8 +38,10 @@ from swarm.config import OptimConfig
 from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound
+from swarm.server.gradvec import gradient_vector
 from swarm.server.nag import NesterovCorrection
 from swarm.server.records import BatchGraph, StepRecord
+from swarm.server.stash import KeptWeights
 from swarm.server.state_io import Lender, digest, export_state, import_state
 
 LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
@@ -76,6 +80,7 @@ class StageRuntime:
         self.fast_backwards = 0
         self.recomputed_backwards = 0
         self.version = 0  # changes of the weights: steps, local updates, averaging rounds
+        self.kept = KeptWeights(self.params, lambda: self.version)  # sync: weights overtaken graphs ran at
         self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
         # async: the averaged state as the last round left it (bit-identical on every replica)
         self.averaging = Anchor(self.averaged_tensors, self.unshare) if self.asynchronous else None
@@ -124,8 +129,9 @@ class StageRuntime:
                 stash = {n: p.detach().clone().requires_grad_(True) for n, p in live}
                 outputs = torch.func.functional_call(self.module, stash, (inputs,))
             else:
-                outputs = self.module(inputs)
-        graph = BatchGraph(inputs, outputs, self.epoch, time.monotonic(), {}, self.version, stash)
+                with self.kept.saving():
+                    outputs = self.module(inputs)
+        graph = BatchGraph(inputs, outputs, time.monotonic(), {}, self.version, stash)
         results, start = [], 0
         for req_id, x in requests:
             graph.rows[req_id] = rows = slice(start, start + x.shape[0])
@@ -157,7 +163,12 @@ class StageRuntime:
     def live_graph(self, req_id: str) -> BatchGraph | None:
         """The kept graph of a request's forward, if it is still valid for the current weights."""
         graph = self.graphs.get(req_id)
-        return graph if graph is not None and graph.valid_for(self.epoch) else None
+        return graph if graph is not None and self._usable(graph) else None
+
+    def _usable(self, graph: BatchGraph) -> bool:
+        """A stashed graph holds its own weights; any other needs the live ones unchanged since its
+        forward, or their copy kept at the step that changed them."""
+        return graph.stash is not None or graph.version == self.version or self.kept.holds(graph.version)
 
     def backward(
         self, req_id: str, x: torch.Tensor, grad_out: torch.Tensor, accumulate: bool = True
@@ -199,7 +210,7 @@ class StageRuntime:
 
         The graph is consumed: requests of it whose gradient comes later are recomputed.
         """
-        if not graph.valid_for(self.epoch):
+        if not self._usable(graph):
             raise ValueError("the graph was built with weights this replica no longer holds")
         for req_id in graph.rows:
             self.graphs.pop(req_id, None)
@@ -224,50 +235,25 @@ class StageRuntime:
         for r in grads.keys() - fresh.keys():
             self.duplicates += 1
             results[r] = self._input_grad(graph.inputs[graph.rows[r]].detach(), grads[r])
+        self._release_kept()
         return results
 
     def evict_stale_graphs(self) -> None:
         """Drop graphs whose backward never came (the trainer died) or that a step made invalid."""
         now = time.monotonic()
-        stale = [r for r, g in self.graphs.items() if not g.valid_for(self.epoch) or now - g.created > self.graph_ttl]
+        stale = [r for r, g in self.graphs.items() if not self._usable(g) or now - g.created > self.graph_ttl]
         for r in stale:
             del self.graphs[r]
+        self._release_kept()
+
+    def _release_kept(self) -> None:
+        self.kept.release(g.version for g in self.graphs.values())
 
     # ---- the optimizer step ----------------------------------------------------------------------
 
     def flat_grad(self) -> torch.Tensor:
-        """All accumulated gradients as one float32 vector on the CPU (zeros where none arrived yet).
-
-        On a CPU stage of float32 parameters the gradients move into the vector: each `p.grad` becomes
-        a view of it, so the round costs no second copy of the stage's gradients, and a round that fails
-        leaves them in place for the next (backwards in between add to them there)."""
-        if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self.params):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
-        flat = self._grad_vector()
-        if flat is None:
-            flat = torch.empty(sum(p.numel() for p in self.params))
-            offset = 0
-            for p in self.params:
-                view = flat[offset : offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(p.grad)
-                p.grad = view  # the old gradient is freed here: at most one tensor is held twice
-                offset += p.numel()
-        return flat
-
-    def _grad_vector(self) -> torch.Tensor | None:
-        """The vector an earlier `flat_grad` made every gradient a view of, if they still are."""
-        first = self.params[0].grad if self.params else None
-        base = None if first is None else first._base
-        offset = 0
-        for p in self.params:
-            if base is None or p.grad is None or p.grad._base is not base or p.grad.storage_offset() != offset:
-                return None
-            offset += p.numel()
-        return base if base.numel() == offset else None
+        """All accumulated gradients as one float32 vector on the CPU, for the stage's all-reduce."""
+        return gradient_vector(self.params)
 
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
@@ -310,6 +296,8 @@ class StageRuntime:
                 p.grad.copy_(mean)
             offset += p.numel()
         lr = self.lr()
+        if any(g.version == self.version for g in self.graphs.values()):
+            self.kept.keep()  # forwards at these weights still wait for their backwards
         norm = self._optimizer_step()
         ids = sorted(self.pending) if ids is None else ids
         # the network thread reads the ledger while this runs: commit first, then forget what was
@@ -317,7 +305,7 @@ class StageRuntime:
         self.book.commit(ids, self.epoch + 1)
         self.book.clear_pending()
         self.epoch += 1
-        self.graphs.clear()
+        self.evict_stale_graphs()
         self.last_digest = self.digest()
         return StepRecord(self.epoch, samples, group, lr, norm, self.last_digest, ids)
 
@@ -361,6 +349,7 @@ class StageRuntime:
             self.version += 1
         self.book.clear_pending()
         self.graphs.clear()
+        self._release_kept()
         return lost
 
     def digest(self) -> str:

@@ -1,0 +1,41 @@
+"""The stage's accumulated gradients as one vector: what an all-reduce round sends and averages."""
+
+from __future__ import annotations
+
+import torch
+
+
+def gradient_vector(params: list[torch.Tensor]) -> torch.Tensor:
+    """All accumulated gradients as one float32 vector on the CPU (zeros where none arrived yet).
+
+    On a CPU stage of float32 parameters the gradients move into the vector: each `p.grad` becomes
+    a view of it, so the round costs no second copy of the stage's gradients, and a round that fails
+    leaves them in place for the next (backwards in between add to them there)."""
+    if not all(p.device.type == "cpu" and p.dtype == torch.float32 for p in params):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        return torch.cat([g.detach().float().reshape(-1).cpu() for g in grads])
+    flat = _existing_vector(params)
+    if flat is None:
+        flat = torch.empty(sum(p.numel() for p in params))
+        offset = 0
+        for p in params:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view  # the old gradient is freed here: at most one tensor is held twice
+            offset += p.numel()
+    return flat
+
+
+def _existing_vector(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The vector an earlier `gradient_vector` made every gradient a view of, if they still are."""
+    first = params[0].grad if params else None
+    base = None if first is None else first._base
+    offset = 0
+    for p in params:
+        if base is None or p.grad is None or p.grad._base is not base or p.grad.storage_offset() != offset:
+            return None
+        offset += p.numel()
+    return base if base.numel() == offset else None
