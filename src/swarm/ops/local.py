@@ -224,7 +224,9 @@ class LocalSwarm:
         started, status = time.monotonic(), SwarmStatus()
         try:
             while True:
-                await asyncio.sleep(0.5)
+                # a fault script acts on what it sees within half a second; a plain run is followed at a
+                # gentler pace, since every look reads each stage's records from the swarm's DHT nodes
+                await asyncio.sleep(0.5 if on_status is not None else 2.0)
                 status = await read_status(directory, self.cfg.model.num_stages)
                 if on_status is not None:
                     on_status(status)

@@ -43,7 +43,9 @@ from swarm.server.transfer import StateTransfer
 from swarm.wire.records import ServerRecord, TrainerRecord
 
 log = logging.getLogger("swarm.server")
-LOOK_EVERY = 0.25  # seconds between looks when nothing wakes the step loop
+# seconds between looks when nothing wakes the step loop, and how long a read of the stage's records
+# serves the looks that gradients wake in between (others announce once a second, or on new samples)
+LOOK_EVERY = 0.5
 STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
 DISTRUST_TTLS = 10  # record lifetimes such a peer stays left out
 
@@ -67,6 +69,7 @@ class Stepper:
         self.results, self.steps_file = results, steps_file
         self.rng = rng
         self._trainers_read: tuple[float, list[TrainerRecord]] = (-math.inf, [])
+        self._records_read: tuple[float, list[ServerRecord]] = (-math.inf, [])
         self._failures = 0  # rounds failed in a row, for the backoff
         self._strikes: dict[str, int] = {}  # peer -> rounds in a row it refused our part in
 
@@ -97,6 +100,7 @@ class Stepper:
                 await self._catch_up([r for r in records if r.peer_id in decision.sources])
             elif isinstance(decision, Step):
                 await self._step(st.runtime.epoch, decision.group)
+                self._records_read = (-math.inf, [])  # the group's records moved on with it
                 self._failures = 0
                 self._strikes.clear()
         except WeightsDiverged as e:
@@ -141,7 +145,7 @@ class Stepper:
     async def _look(self) -> tuple[Decision, list[ServerRecord]]:
         """Gather the view, ask the plan, remember what it says to remember."""
         st = self.stage
-        records, trainers = await asyncio.gather(self.directory.stage(st.index), self._trainers())
+        records, trainers = await asyncio.gather(self._records(), self._trainers())
         proposal, st.proposal = st.proposal, None
         view = StepView(
             now=time.monotonic(), me=self.peer_id, epoch=st.runtime.epoch, pending=st.runtime.pending_samples,
@@ -151,6 +155,14 @@ class Stepper:
         )
         decision, st.plan = plan_step(view, st.plan)
         return decision, records
+
+    async def _records(self) -> list[ServerRecord]:
+        """The stage's records, read at most once per LOOK_EVERY: a look woken by each new gradient would
+        otherwise read the DHT several times a second for counts that others announce once a second."""
+        now = time.monotonic()
+        if now - self._records_read[0] >= LOOK_EVERY:
+            self._records_read = (now, await self.directory.stage(self.stage.index))
+        return self._records_read[1]
 
     async def _trainers(self) -> list[TrainerRecord]:
         """The trainers in view, read at most once per announcement period: the plan needs them only at

@@ -126,13 +126,17 @@ class StageCaller:
 
     def _stage_call(self, stage: int, method: str, req: str, accumulate: bool, peer: str, samples: int
                     ) -> StageCall:
-        """The call's metadata, its timeout following the latency measured for such calls. Past its
-        deadline a server drops the request: by then we have sent it elsewhere, and a delivery in doubt
-        is judged only request_timeout after its failure (see swarm.trainer.delivery). An accumulating
-        call carries its receipt for `peer`."""
+        """The call's metadata, its timeout following the latency measured for such calls, once for each
+        request queued ahead of it at `peer` (ours in flight there, or the queue it announced, whichever
+        is longer): a call behind a long queue is not late, and giving it up to send it again behind the
+        same queue would only waste the work. Past its deadline a server drops the request: by then we
+        have sent it elsewhere, and a delivery in doubt is judged only request_timeout after its failure
+        (see swarm.trainer.delivery). An accumulating call carries its receipt for `peer`."""
         tc = self.tc
-        timeout = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
+        latency = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
                                                       tc.request_timeout)
+        announced = next((r.queue for r in self.view.servers[stage] if r.peer_id == peer), 0)
+        timeout = min(latency * (1 + max(self.inflight.get(peer, 0), announced)), tc.request_timeout)
         deadline = time.time() + timeout + tc.request_timeout / 2
         epoch = self.view.live_epoch(stage, ignore=self.bans.failing())
         receipt = self.sign(req, stage, peer, samples) if accumulate and self.sign is not None else ""
