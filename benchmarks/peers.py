@@ -1,46 +1,46 @@
 """The local swarm against its peers: one process, and torch's own pipeline schedules, on one model.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/peers.py [--steps N] [--set section.field=value ...]
+    PYTHONPATH=src .venv/bin/python benchmarks/peers.py [--scenario fault-free|straggler|kill|all]
+        [--repeat 3] [--steps N] [--set section.field=value ...]
 
 Every run trains the same model (by default GPT d_model 512, 4 layers, 8 heads, d_ff 2048, cut into 2
 stages, seq_len 128) on the same text with the same microbatch (8) and optimizer step (64 samples), and
-is timed after a warm-up step:
+is timed after a warm-up step. Scenarios, each run back to back so that its ratios share the machine's
+state, and repeated `--repeat` times (the medians of the ratios are printed last):
 
-- single process: `baseline()` of benchmarks/throughput.py, all cores in one process;
-- GPipe and 1F1B: `torch.distributed.pipelining`, one process per stage with one thread each (as many
-  compute threads as the swarm's servers), gloo on 127.0.0.1, each rank building only its own stage of
-  `swarm.model` exactly as a swarm server does;
-- local swarm: `run_local`, as in benchmarks/throughput.py, timed from its first completed microbatch.
+- fault-free: the single process (`baseline()` of benchmarks/throughput.py, all cores in one process);
+  GPipe and 1F1B (benchmarks/torchpipe.py: one process per stage, one thread each, gloo on 127.0.0.1,
+  each rank building its own stage of `swarm.model` as a swarm server does); the local swarm of one
+  server per stage and one trainer, timed from its first completed microbatch.
+- straggler: four compute processes on each side, one of them 3x slower (it idles twice the CPU time
+  it uses): torch 1F1B as two data-parallel pipelines of 2 stages (the slow rank is pipeline 0's first
+  stage), the swarm as 2 stages x 2 servers (the slow one is a stage-0 server).
+- kill: the same four, one stage-1 peer SIGKILLed at the start of the third timed step. How torch's run
+  ends is reported as its survivors saw it; the swarm's throughput from the kill to its end is compared
+  with a fault-free swarm of the servers that survive (2 + 1), run right after.
 
-A swarm is only worth its overhead if it comes near what a conventional pipeline gets from the same
-cores, so each figure is also given as a ratio to the single process and to 1F1B. The output is one
-JSON line per run followed by a table. Fault-free only: every peer stays up and runs at full speed.
+Achieved GFLOP/s counts the model's training FLOPs per sample (matmuls and attention, forward and
+backward: 3x the forward) times samples/s; the single process's figure is the machine's limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
+import signal
+import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-from swarm.config import load_config
-from swarm.config.schema import SwarmConfig
-from swarm.data import SampleTable, load_documents, split_inputs_targets
-from swarm.model import build_stage
+from swarm.config import ModelConfig, load_config
+from swarm.ops.local import LocalSwarm
 from swarm.ops.run import run_local
+from swarm.ops.status import SwarmStatus
 
 sys.path.insert(0, str(Path(__file__).parent))
-from throughput import baseline  # noqa: E402  (a sibling script, not a package)
+from throughput import baseline  # noqa: E402  (sibling scripts, not a package)
+from torchpipe import PipelineRun, torch_pipeline  # noqa: E402
 
 ISSUE_MODEL = [
     "model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "model.seq_len=128",
@@ -48,107 +48,126 @@ ISSUE_MODEL = [
     "trainer.microbatch_size=8", "trainer.max_inflight=8",
     "local.servers_per_stage=1", "local.trainers=1", "local.threads_per_peer=1",
 ]
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+FOUR = ["local.layout=[2, 2]", "trainer.max_inflight=12"]
+SLOWDOWN = 3.0
+KILL_AT = 2  # timed steps before the kill
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def flops_per_sample(m: ModelConfig) -> float:
+    """Training FLOPs of one sequence: 3x the forward's matmuls (projections, MLP, output head) and
+    attention scores and mixing (counted in full, as a dense kernel computes them)."""
+    per_token = m.n_layers * (4 * m.d_model**2 + 2 * m.d_model * m.d_ff) + m.d_model * m.vocab_size
+    attention = m.n_layers * 2 * m.seq_len * m.d_model
+    return 3 * 2 * m.seq_len * (per_token + attention)
 
 
-def _pipeline_rank(rank: int, overrides: list[str], schedule_name: str, steps: int, port: int, out: str) -> None:
-    """One stage of a torch pipeline: builds its own stage module, trains `steps + 1` optimizer steps and,
-    on the last rank, writes the timing and losses to `out`.
+def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | None = None) -> dict:
+    """The local swarm's steady samples/s; with `kill_stage`, one of that stage's servers is SIGKILLed
+    once the swarm has taken KILL_AT steps past its warm-up, and samples/s counts from the kill on."""
+    cfg = load_config(overrides=[*overrides, f"trainer.target_steps={steps + 1}", f'run_dir="{run_dir}"'])
+    killed: list[float] = []
 
-    Every rank reads the same seeded sample stream, so the first stage takes the inputs and the last the
-    targets of the same batch without sending them. The last stage is the project's own module, which
-    returns the loss given `targets=`: the schedule hands keyword arguments to the last stage's forward
-    microbatch by microbatch, so the loss function only passes that loss on, and `scale_grads` (the
-    default) averages the gradients over microbatches as the single process does over its step."""
-    torch.set_num_threads(1)
+    def follow(swarm: LocalSwarm, status: SwarmStatus) -> None:
+        if kill_stage is not None and not killed and status.min_epoch >= KILL_AT + 1:
+            victim = swarm.servers(stage=kill_stage)[-1]
+            victim.signal(signal.SIGKILL)
+            killed.append(time.time())
+
+    summary = run_local(cfg, progress=False, on_status=follow)
+    result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
+              "samples_per_second": summary["steady_samples_per_second"],
+              "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
+                                          for r in st["replicas"])}
+    if kill_stage is not None:
+        if not killed:
+            raise RuntimeError("the swarm ended before the kill")
+        after = [c for c in summary["_completed"] if c[0] > killed[0]]
+        result["samples_per_second"] = sum(c[1] for c in after) / (after[-1][0] - killed[0])
+        result["retries"], result["replays"] = summary["retries"], summary["replays"]
+    return result
+
+
+def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     cfg = load_config(overrides=overrides)
-    n_stages, mb = cfg.model.num_stages, cfg.trainer.microbatch_size
-    n_micro = cfg.optim.target_batch_size // mb
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n_stages)
-    module = build_stage(cfg.model, rank)
-    inputs_meta, outputs_meta = module.boundary()
-    # static shapes, so no rank waits on a shape exchange; hidden states carry requires_grad, or no
-    # gradient would be sent back across the boundary
-    example_in = torch.zeros((mb, *inputs_meta.shape), dtype=inputs_meta.dtype, requires_grad=rank > 0)
-    out_shape = () if outputs_meta is None else (mb, *outputs_meta.shape)  # the last stage returns the loss
-    example_out = torch.zeros(out_shape, requires_grad=True)
-    stage = PipelineStage(module, rank, n_stages, torch.device("cpu"), input_args=example_in, output_args=example_out)
-    schedule = SCHEDULES[schedule_name](stage, n_microbatches=n_micro, loss_fn=lambda loss, _target: loss)
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
-    table = SampleTable(load_documents(cfg.data), cfg.model.seq_len, cfg.data.seed)
-    batches = table.stream(cfg.optim.target_batch_size)
-    step_losses: list[float] = []
-
-    def step() -> None:
-        inputs, targets = split_inputs_targets(next(batches))
-        if stage.is_first:
-            schedule.step(inputs)
-        else:
-            losses: list[torch.Tensor] = []
-            schedule.step(targets=targets, target=targets, losses=losses, return_outputs=False)
-            step_losses.append(torch.stack(losses).mean().item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # warm-up
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    elapsed = time.perf_counter() - start
-    if stage.is_last:
-        Path(out).write_text(json.dumps({"samples_per_second": steps * cfg.optim.target_batch_size / elapsed,
-                                         "first_loss": step_losses[0], "final_loss": step_losses[-1]}))
-    dist.destroy_process_group()
+    results = {"single": {"samples_per_second": baseline(cfg, steps)}}
+    for name in ("gpipe", "1f1b"):
+        results[name] = torch_pipeline(overrides, PipelineRun(name, steps))
+    results["swarm"] = swarm_run(overrides, steps, run_dir)
+    return results
 
 
-def torch_pipeline(overrides: list[str], schedule_name: str, steps: int, n_stages: int) -> dict[str, float]:
-    """Samples/s and first/last step loss of one torch pipeline schedule, one spawned process per stage."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_pipeline_rank, args=(overrides, schedule_name, steps, _free_port(), out), nprocs=n_stages)
-        return json.loads(Path(out).read_text())
+def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
+    return {
+        "1f1b 2x2": torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN)),
+        "swarm 2x2": swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"], steps, run_dir),
+    }
 
 
-def report(results: dict[str, dict[str, float]], cfg: SwarmConfig) -> None:
-    """One JSON line per run, then a table; ratios to the single process and to 1F1B."""
-    single, f1b = results["single"]["samples_per_second"], results["1f1b"]["samples_per_second"]
+def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
+    ended = torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, kill_rank=3, kill_at=KILL_AT))
+    return {
+        "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
+        "swarm 2x2": swarm_run([*overrides, *FOUR], steps, run_dir, kill_stage=1),
+        "swarm 2+1": swarm_run([*overrides, "local.layout=[2, 1]", "trainer.max_inflight=12"], steps, run_dir),
+    }
+
+
+SCENARIOS = {"fault-free": (fault_free, "1f1b"), "straggler": (straggler, "1f1b 2x2"),
+             "kill": (kill, "swarm 2+1")}
+
+
+def report(scenario: str, results: dict[str, dict], single: float | None, flops: float) -> None:
+    """One JSON line per run, then a table with ratios to the scenario's reference (and the single process)."""
+    reference = results[SCENARIOS[scenario][1]]["samples_per_second"]
+    print(f"\n{scenario}")
+    print(f"{'run':<10} {'samples/s':>10} {'GFLOP/s':>8} {'vs single':>10} {'vs ref':>7}   loss")
     for name, r in results.items():
-        r["vs_single"], r["vs_1f1b"] = r["samples_per_second"] / single, r["samples_per_second"] / f1b
-        print(json.dumps({"run": name, **r}))
-    m = cfg.model
-    print(f"\nGPT d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, {m.num_stages} stages, "
-          f"seq_len {m.seq_len}; microbatch {cfg.trainer.microbatch_size}, step {cfg.optim.target_batch_size} samples")
-    print(f"{'run':<8} {'samples/s':>10} {'vs single':>10} {'vs 1F1B':>8}   loss")
-    for name, r in results.items():
+        r["gflops"] = r["samples_per_second"] * flops / 1e9
+        r["vs_ref"] = r["samples_per_second"] / reference if reference else None
+        r["vs_single"] = r["samples_per_second"] / single if single else None
+        print(json.dumps({"scenario": scenario, "run": name, **r}), file=sys.stderr)
         loss = f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}" if "first_loss" in r else "-"
-        print(f"{name:<8} {r['samples_per_second']:>10.2f} {r['vs_single']:>10.3f} {r['vs_1f1b']:>8.3f}   {loss}")
+        vs_single = f"{r['vs_single']:.3f}" if r["vs_single"] is not None else "-"
+        print(f"{name:<10} {r['samples_per_second']:>10.2f} {r['gflops']:>8.2f} {vs_single:>10} "
+              f"{r['vs_ref'] or 0:>7.3f}   {loss}")
+        if "ended" in r:
+            for rank, s in sorted(r["ended"]["survivors"].items()):
+                print(f"    rank {rank}: " + (f"{s['error']} after {s['at']:.1f}s, in {s['where']}" if "error" in s
+                                              else "finished"))
+            if r["ended"]["hanging"]:
+                print(f"    ranks {r['ended']['hanging']} still waiting {PipelineRun().timeout + 30:.0f}s after "
+                      "the kill were ended")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
+    parser.add_argument("--repeat", type=int, default=1, help="times each scenario runs; medians of ratios last")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps in each run, after one warm-up")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--run-dir", default="runs/bench-peers")
     args = parser.parse_args()
     overrides = [*ISSUE_MODEL, *args.overrides]
-    # the swarm's warm-up is its pipeline fill, not a whole step: one step more keeps its timed span as long
-    cfg = load_config(overrides=[*overrides, f"trainer.target_steps={args.steps + 1}", f'run_dir="{args.run_dir}"'])
-
-    results: dict[str, dict[str, float]] = {"single": {"samples_per_second": baseline(cfg, args.steps)}}
-    for name in SCHEDULES:
-        results[name] = torch_pipeline(overrides, name, args.steps, cfg.model.num_stages)
-    summary = run_local(cfg, progress=False)
-    results["swarm"] = {"samples_per_second": summary["steady_samples_per_second"],
-                        "first_loss": summary["first_loss"], "final_loss": summary["final_loss"]}
-    report(results, cfg)
+    cfg = load_config(overrides=overrides)
+    flops = flops_per_sample(cfg.model)
+    m = cfg.model
+    print(f"GPT d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, {m.num_stages} stages, "
+          f"seq_len {m.seq_len}; microbatch {cfg.trainer.microbatch_size}, step {cfg.optim.target_batch_size} "
+          f"samples; {flops / 1e9:.2f} GFLOP per sample")
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    ratios: dict[tuple[str, str], list[float]] = {}
+    single = None
+    for _ in range(args.repeat):
+        for name in names:
+            results = SCENARIOS[name][0](overrides, args.steps, args.run_dir)
+            single = results.get("single", {}).get("samples_per_second", single)
+            report(name, results, single, flops)
+            for run, r in results.items():
+                ratios.setdefault((name, run), []).append(r["vs_ref"] or 0.0)
+    if args.repeat > 1:
+        print(f"\nmedians of {args.repeat} (ratio to each scenario's reference)")
+        for (name, run), values in ratios.items():
+            print(f"{name:<11} {run:<10} {statistics.median(values):.3f}   ({', '.join(f'{v:.3f}' for v in values)})")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from swarm.config import SwarmConfig
 from swarm.ops.local import LocalSwarm, start_layout
 from swarm.ops.report import write_report
+from swarm.ops.status import SwarmStatus
 
 log = logging.getLogger("swarm.local")
 
@@ -18,7 +20,10 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
+def run_local(cfg: SwarmConfig, progress: bool = True,
+              on_status: Callable[[LocalSwarm, SwarmStatus], None] | None = None) -> dict[str, Any]:
+    """Run a local swarm to its end and report; `on_status` sees the swarm at every look (a benchmark
+    ends a peer from it)."""
     m, loc = cfg.model, cfg.local
     layout = start_layout(cfg)
     log.info(
@@ -30,7 +35,8 @@ def run_local(cfg: SwarmConfig, progress: bool = True) -> dict[str, Any]:
     # a terminated launcher must not leave its peers behind: they run in sessions of their own
     signal.signal(signal.SIGTERM, _interrupt)
     with swarm:
-        swarm.wait_until_done(progress=progress)
+        swarm.wait_until_done(progress=progress,
+                              on_status=None if on_status is None else lambda status: on_status(swarm, status))
     summary = write_report(Path(cfg.run_dir))
     log.info(
         "done: %d samples in %.0fs (%.1f samples/s), loss %.3f -> %.3f; see %s/summary.json, loss.png, throughput.png",
