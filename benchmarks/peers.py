@@ -12,9 +12,11 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   GPipe and 1F1B (benchmarks/torchpipe.py: one process per stage, one thread each, gloo on 127.0.0.1,
   each rank building its own stage of `swarm.model` as a swarm server does); the local swarm of one
   server per stage and one trainer, timed from its first completed microbatch.
-- straggler: four compute processes on each side, one of them 3x slower (it idles twice the CPU time
-  it uses): torch 1F1B as two data-parallel pipelines of 2 stages (the slow rank is pipeline 0's first
-  stage), the swarm as 2 stages x 2 servers (the slow one is a stage-0 server).
+- straggler: four workers on each side, each held to 0.45 cores as a machine of its own would be (a
+  cgroup CPU quota, so needs root; the swarm's servers with their DHT and p2pd helpers), one of them 3x
+  slower (it idles twice the CPU time it uses): torch 1F1B as two data-parallel pipelines of 2 stages
+  (the slow rank is pipeline 0's first stage), the swarm as 2 stages x 2 servers (the slow one is a
+  stage-0 server) and one trainer, which with the DHT bootstrap peer runs outside the shares.
 - kill: the same four, one stage-1 peer SIGKILLed at the start of the third timed step. How torch's run
   ends is reported as its survivors saw it; the swarm's throughput from the kill to its end is compared
   with a fault-free swarm of the servers that survive (2 + 1), run right after.
@@ -48,7 +50,10 @@ ISSUE_MODEL = [
     "trainer.microbatch_size=8", "trainer.max_inflight=8",
     "local.servers_per_stage=1", "local.trainers=1", "local.threads_per_peer=1",
 ]
-FOUR = ["local.layout=[2, 2]", "trainer.max_inflight=12"]
+# four machines of CPU_PER_WORKER cores each: every worker (a torch rank, a swarm server with its helper
+# processes) is held to its share, so that a slow or stalled one does not hand its cores to the others
+CPU_PER_WORKER = 0.45
+FOUR = ["local.layout=[2, 2]", "trainer.max_inflight=12", f"local.server_cpus={CPU_PER_WORKER}"]
 SLOWDOWN = 3.0
 KILL_AT = 2  # timed steps before the kill
 
@@ -98,17 +103,19 @@ def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict
 
 def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     return {
-        "1f1b 2x2": torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN)),
+        "1f1b 2x2": torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN,
+                                                              cpus=CPU_PER_WORKER)),
         "swarm 2x2": swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"], steps, run_dir),
     }
 
 
 def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
-    ended = torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, kill_rank=3, kill_at=KILL_AT))
+    ended = torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, kill_rank=3, kill_at=KILL_AT,
+                                                   cpus=CPU_PER_WORKER))
     return {
         "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
         "swarm 2x2": swarm_run([*overrides, *FOUR], steps, run_dir, kill_stage=1),
-        "swarm 2+1": swarm_run([*overrides, "local.layout=[2, 1]", "trainer.max_inflight=12"], steps, run_dir),
+        "swarm 2+1": swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps, run_dir),
     }
 
 

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from swarm.config import load_config
 from swarm.data import SampleTable, load_documents, split_inputs_targets
 from swarm.model import build_stage
+from swarm.ops.cpushare import CpuShare
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -42,6 +43,7 @@ class PipelineRun:
     kill_rank: int | None = None
     kill_at: int = 0  # the timed step at whose start `kill_rank` is SIGKILLed
     timeout: float = 60.0  # seconds gloo waits for a peer before it gives up
+    cpus: float = 0.0  # each rank held to this many cores, a machine of its own (0: ranks share the host)
 
 
 class Throttle:
@@ -66,11 +68,13 @@ def _slow_down(module: torch.nn.Module, factor: float) -> None:
     torch.autograd.graph.register_multi_grad_hook(params, throttle, mode="all")
 
 
-def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str) -> None:
+def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str, shares: list[CpuShare]) -> None:
     """One stage of one pipeline. Ranks read the same seeded sample stream, so each pipeline's first
     stage takes the inputs and its last stage the targets of the same share of the batch, unsent. The
     last stage is the project's own module, which returns the loss given `targets=`: the schedule passes
     it on microbatch by microbatch, and `scale_grads` (the default) averages over microbatches."""
+    if shares:
+        shares[rank].enter()
     torch.set_num_threads(1)
     cfg = load_config(overrides=overrides)
     n_stages, mb = cfg.model.num_stages, cfg.trainer.microbatch_size
@@ -149,9 +153,10 @@ def torch_pipeline(overrides: list[str], run: PipelineRun) -> dict:
     run ended (its error and after how long, or still hanging `run.timeout` + 30 s after the kill)."""
     cfg = load_config(overrides=overrides)
     world = cfg.model.num_stages * run.pipelines
+    shares = [CpuShare(f"swarm-torch-{os.getpid()}-{rank}", run.cpus) for rank in range(world)] if run.cpus else []
     with tempfile.TemporaryDirectory() as out:
         # not joined by spawn: it would end every rank as soon as one died, before they could tell how
-        procs = mp.spawn(_rank, args=(overrides, run, _free_port(), out), nprocs=world, join=False).processes
+        procs = mp.spawn(_rank, args=(overrides, run, _free_port(), out, shares), nprocs=world, join=False).processes
         deadline = None
         for p in procs:
             p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -160,6 +165,10 @@ def torch_pipeline(overrides: list[str], run: PipelineRun) -> dict:
         hanging = [i for i, p in enumerate(procs) if p.is_alive()]
         for i in hanging:
             procs[i].kill()
+        for p in procs:
+            p.join()
+        for share in shares:
+            share.close()
         codes = [p.exitcode for p in procs]
         ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in Path(out).glob("rank*.json")}
     if run.kill_rank is None:

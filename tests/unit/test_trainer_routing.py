@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -124,3 +125,21 @@ def test_the_epoch_callers_expect_and_the_run_s_progress_ignore_a_lying_record()
     assert view.live_epoch(0) == 55 and view.settled_epoch(0) == 53
     view.servers[0], view.stage_epoch[0] = [], 70
     assert view.live_epoch(0) == 0 and view.settled_epoch(0) == 70  # no live replica: where it was last seen
+
+
+def test_a_calls_timeout_counts_the_requests_queued_ahead_of_it():
+    """A call behind k requests at its server may wait k + 1 times a call's measured latency bound (ours in
+    flight there, or the queue it announced, whichever is longer), never beyond request_timeout."""
+    trainer = _trainer("wrr", (("a", 1.0), ("b", 1.0)), None, "trainer.min_request_timeout=2.0",
+                       "trainer.request_timeout=30.0")
+    alone = trainer._stage_call(0, "forward", "r", False, "a", 1).timeout
+    assert alone == 30.0  # nothing measured yet: the ceiling
+    for _ in range(20):
+        trainer.latency[0, "forward"].observe(0.1)
+    assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 2.0  # the floor
+    trainer.inflight["a"] = 3
+    assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 8.0
+    trainer.view.servers[0][1] = replace(trainer.view.servers[0][1], queue=5)
+    assert trainer._stage_call(0, "forward", "r", False, "b", 1).timeout == 12.0
+    trainer.inflight["a"] = 40
+    assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 30.0

@@ -175,6 +175,9 @@ class LocalSwarmConfig:
     reply_delays: tuple[float, ...] = ()  # server.reply_delay of each server in start order, likewise
     trainers: int = 2
     threads_per_peer: int = 1
+    # every server, with its helper processes, held to this many cores as a machine of its own would be
+    # (0: servers share the host's cores; needs root and a cgroup CPU controller)
+    server_cpus: float = 0.0
     timeout: float = 600.0  # seconds before the launcher gives up on the run
     # every server and trainer on a network namespace host of its own, so that `swarm fault cut|shape`
     # can act on its link (needs root and iproute2)
@@ -190,5 +193,6 @@ class LocalSwarmConfig:
                  f"must be >= 0, got {list(self.reply_delays)}")
         require(self.trainers > 0, "local.trainers", "must be positive")
         require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
+        require(self.server_cpus >= 0, "local.server_cpus", f"must be >= 0, got {self.server_cpus}")
         require(self.link_mbit >= 0, "local.link_mbit", f"must be >= 0, got {self.link_mbit}")
         require(self.netns or not self.link_mbit, "local.link_mbit", "needs local.netns = true")

@@ -26,6 +26,7 @@ from swarm.config import SwarmConfig, replace, to_toml
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.ops import netlab
+from swarm.ops.cpushare import CpuShare
 from swarm.ops.netlab import Host, NetLab
 from swarm.ops.procs import signal_machine
 from swarm.ops.status import SwarmStatus, read_status
@@ -75,6 +76,7 @@ class LocalSwarm:
         self.initial_peers: tuple[str, ...] = ()
         self._counter = 0
         self.lab: NetLab | None = None
+        self.shares: list[CpuShare] = []
 
     # ---- starting peers ----------------------------------------------------------------------
 
@@ -100,10 +102,14 @@ class LocalSwarm:
         for o in overrides:
             cmd += ["--set", o]
         cmd += extra
+        share = None
+        if role == "server" and self.cfg.local.server_cpus:
+            share = CpuShare(f"swarm-{os.getpid()}-{name}", self.cfg.local.server_cpus)
+            self.shares.append(share)
         with open(log_path, "ab") as out:
             process = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, preexec_fn=share.enter if share else None,
             )
         peer = Peer(name, role, process, log_path, stage, host)
         self.peers.append(peer)
@@ -275,6 +281,8 @@ class LocalSwarm:
         for p in self.peers:
             signal_machine(p.process.pid, signal.SIGKILL)  # whatever lingers, helpers included
             p.process.wait()
+        for share in self.shares:
+            share.close()
         if self.lab is not None:
             self.lab.close()
 

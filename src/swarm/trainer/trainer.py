@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import signal
 import time
@@ -218,12 +219,17 @@ class Trainer:
             )
 
     async def _refresh_loop(self) -> None:
+        """The view twice per announcement period (a gone server's calls are abandoned within a few
+        views); our own record once per period, which is as often as anyone reads it."""
+        announced = -math.inf
         while True:
             await asyncio.sleep(self.cfg.net.announce_period / 2)
             try:
                 await self.view.refresh(self.directory)
                 self.caller.abandon_gone()
-                await self._announce()
+                if time.monotonic() - announced >= self.cfg.net.announce_period * 0.9:
+                    announced = time.monotonic()
+                    await self._announce()
             except Exception as e:
                 log.warning("could not refresh the swarm view: %s", e)
 
