@@ -14,7 +14,7 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   server per stage and one trainer, timed from its first completed microbatch.
 - straggler: four workers on each side, each held to 0.45 cores as a machine of its own would be (a
   cgroup CPU quota, so needs root; the swarm's servers with their DHT and p2pd helpers), one of them 3x
-  slower (it idles twice the CPU time it uses): torch 1F1B as two data-parallel pipelines of 2 stages
+  slower (a share of 0.15 cores): torch 1F1B as two data-parallel pipelines of 2 stages
   (the slow rank is pipeline 0's first stage), the swarm as 2 stages x 2 servers (the slow one is a
   stage-0 server) and one trainer, which with the DHT bootstrap peer runs outside the shares.
 - kill: the same four, one stage-1 peer SIGKILLed at the start of the third timed step. How torch's run

@@ -3,9 +3,10 @@
 One process per (pipeline, stage), one thread each, gloo on 127.0.0.1. With `pipelines` > 1 the run is
 data-parallel over pipelines: each takes its share of every step's batch, and the replicas of a stage
 average their gradients (all-reduce over the stage's group) before every one of them steps, as DDP
-would. A rank can be slowed (it idles `slowdown - 1` times the CPU time it used, as a swarm server's
-`server.slowdown` does) or killed at a step, to see what a fixed pipeline makes of a straggler or a lost
-peer.
+would. A rank can be slowed or killed at a step, to see what a fixed pipeline makes of a straggler or a
+lost peer. With `cpus`, every rank is held to that many cores (a machine of its own) and the slow rank
+to `cpus / slowdown`; without, the slow rank idles `slowdown - 1` times the CPU time it used, as a swarm
+server's `server.slowdown` does.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
     pipe_groups = [dist.new_group([p * n_stages + s for s in range(n_stages)]) for p in range(run.pipelines)]
     stage_groups = [dist.new_group([p * n_stages + s for p in range(run.pipelines)]) for s in range(n_stages)]
     module = build_stage(cfg.model, stage_index)
-    if rank == run.slow_rank:
+    if rank == run.slow_rank and not shares:  # held to a share, the slow rank has a smaller one instead
         _slow_down(module, run.slowdown)
     inputs_meta, outputs_meta = module.boundary()
     # static shapes, so no rank waits on a shape exchange; hidden states carry requires_grad, or no
@@ -153,7 +154,8 @@ def torch_pipeline(overrides: list[str], run: PipelineRun) -> dict:
     run ended (its error and after how long, or still hanging `run.timeout` + 30 s after the kill)."""
     cfg = load_config(overrides=overrides)
     world = cfg.model.num_stages * run.pipelines
-    shares = [CpuShare(f"swarm-torch-{os.getpid()}-{rank}", run.cpus) for rank in range(world)] if run.cpus else []
+    shares = [CpuShare(f"swarm-torch-{os.getpid()}-{rank}", run.cpus / (run.slowdown if rank == run.slow_rank else 1))
+              for rank in range(world)] if run.cpus else []
     with tempfile.TemporaryDirectory() as out:
         # not joined by spawn: it would end every rank as soon as one died, before they could tell how
         procs = mp.spawn(_rank, args=(overrides, run, _free_port(), out, shares), nprocs=world, join=False).processes

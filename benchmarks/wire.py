@@ -81,6 +81,9 @@ def measure(cfg) -> dict:
         "loss": statistics.fmean(c[2] for c in completed if c[3] >= last_steps),
         "steps": min(s["steps"] for s in summary["stages"].values()),
         "delivery": {k: v["delivery"] for k, v in summary["stages"].items()},
+        # backwards that had to run their forward again (stage -> [recomputed, from the kept graph])
+        "backwards": {k: [sum(r[f] for r in v["replicas"]) for f in ("recomputed_backwards", "fast_backwards")]
+                      for k, v in summary["stages"].items()},
     }
 
 
@@ -129,7 +132,8 @@ def main() -> None:
                 base = results.get(f"{size}/{network}/none")
                 print(f"{size:8s} {network:8s} {variant:22s} {result['bytes_per_sample'] / 1024:8.1f} KiB/sample "
                       f"({result['tensor_bytes_per_sample'] / 1024:7.1f} in tensors) "
-                      f"{result['samples_per_second']:6.2f} samples/s  loss {result['loss']:.3f}"
+                      f"{result['samples_per_second']:6.2f} samples/s  loss {result['loss']:.3f}  "
+                      f"stage 0 backwards recomputed {result['backwards']['0'][0]} of {sum(result['backwards']['0'])}"
                       + (f"  vs none: {base['tensor_bytes_per_sample'] / result['tensor_bytes_per_sample']:.2f}x "
                          f"fewer bytes, {result['samples_per_second'] / base['samples_per_second']:.2f}x "
                          f"throughput, loss {result['loss'] / base['loss']:.3f}" if base else ""), flush=True)

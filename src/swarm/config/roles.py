@@ -176,7 +176,8 @@ class LocalSwarmConfig:
     trainers: int = 2
     threads_per_peer: int = 1
     # every server, with its helper processes, held to this many cores as a machine of its own would be
-    # (0: servers share the host's cores; needs root and a cgroup CPU controller)
+    # (0: servers share the host's cores; needs root and a cgroup CPU controller); a server's slowdown
+    # then makes its share that many times smaller
     server_cpus: float = 0.0
     timeout: float = 600.0  # seconds before the launcher gives up on the run
     # every server and trainer on a network namespace host of its own, so that `swarm fault cut|shape`

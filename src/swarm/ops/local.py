@@ -88,8 +88,10 @@ class LocalSwarm:
         stage: int | None = None,
         extra: tuple[str, ...] = (),
         host: Host | None = None,
+        slowdown: float = 1.0,
     ) -> Peer:
-        """Start one peer in its own process session (inside `host`'s network namespace, if given)."""
+        """Start one peer in its own process session (inside `host`'s network namespace, if given); a server
+        held to a CPU share gets `slowdown` times less of it."""
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
@@ -104,7 +106,7 @@ class LocalSwarm:
         cmd += extra
         share = None
         if role == "server" and self.cfg.local.server_cpus:
-            share = CpuShare(f"swarm-{os.getpid()}-{name}", self.cfg.local.server_cpus)
+            share = CpuShare(f"swarm-{os.getpid()}-{name}", self.cfg.local.server_cpus / slowdown)
             self.shares.append(share)
         with open(log_path, "ab") as out:
             process = subprocess.Popen(
@@ -130,9 +132,11 @@ class LocalSwarm:
         for stage, count in enumerate(start_layout(self.cfg)):
             for _ in range(count):
                 slowdown, delay = next(slowdowns, 1.0), next(delays, 0.0)
-                overrides = ((f"server.slowdown={slowdown}",) if slowdown != 1.0 else ()) + (
+                # held to a CPU share, a slower machine is a smaller share; else the server idles itself
+                slowed = slowdown != 1.0 and not self.cfg.local.server_cpus
+                overrides = ((f"server.slowdown={slowdown}",) if slowed else ()) + (
                     (f"server.reply_delay={delay}",) if delay else ())
-                self.add_server(stage, overrides)
+                self.add_server(stage, overrides, slowdown=slowdown)
         for index in range(self.cfg.local.trainers):
             self.add_trainer(index)
 
@@ -155,7 +159,8 @@ class LocalSwarm:
     def _peers_override(self) -> str:
         return "net.initial_peers=[" + ",".join(f'"{a}"' for a in self.initial_peers) + "]"
 
-    def add_server(self, stage: int, overrides: tuple[str, ...] = (), namespace: bool | None = None) -> Peer:
+    def add_server(self, stage: int, overrides: tuple[str, ...] = (), namespace: bool | None = None,
+                   slowdown: float = 1.0) -> Peer:
         """A server of `stage`; on a namespace host of its own if `namespace` (default: `local.netns`)."""
         self._counter += 1
         name = f"server-s{stage}-{self._counter}"
@@ -164,7 +169,7 @@ class LocalSwarm:
         if self.cfg.local.netns if namespace is None else namespace:
             host = self._host(name)
             args.append(f'net.host="{host.ip}"')
-        return self._spawn("server", name, args, stage, host=host)
+        return self._spawn("server", name, args, stage, host=host, slowdown=slowdown)
 
     def add_trainer(self, index: int) -> Peer:
         name = f"trainer-{index}"
