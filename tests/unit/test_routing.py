@@ -197,6 +197,18 @@ def test_a_server_measured_10x_slower_loses_most_of_its_share() -> None:
     assert routing_weight(_answered("slow", 10.0, 10.0), Yardsticks(latency=1.0)) == pytest.approx(1.0)
 
 
+def test_an_honest_slow_server_keeps_the_share_its_announcement_gives() -> None:
+    """A server 3x slower that announces a third of the throughput takes 3x longer: that is what its
+    announcement implies, so it is not discounted again (it keeps a quarter of the picks beside one at
+    full speed, not a tenth). Announcing its peer's figure while that slow, it is discounted to a quarter."""
+    honest = [_answered("fast", 30.0, 1.0), _answered("slow", 10.0, 3.0)]
+    counts = _counts(honest, seed=7)
+    assert _close(counts["slow"], PICKS // 4), counts
+    boastful = [_answered("fast", 30.0, 1.0), _answered("slow", 30.0, 3.0)]
+    counts = _counts(boastful, seed=8)
+    assert _close(counts["slow"], PICKS // 4), counts  # weight 30 / 3 against 30
+
+
 def test_latency_is_relative_to_the_stage_per_method() -> None:
     """A server that only ran backwards (twice a forward's time) measures as fast as one that only ran
     forwards; one twice as slow at both measures twice as slow."""
@@ -227,10 +239,11 @@ def test_failures_count_as_the_longest_wait_once_a_server_has_answered() -> None
     measured.failed("liar", "backward", 5.0)  # no backward answered yet: nothing to compare with
     assert measured.latency("stranger") is None
     assert measured.latency("liar") == pytest.approx(1.0 + 0.25 * 49)
-    # beside an honest server it falls from 80% of the picks (credited 4 x 20) to 80 / 13.25 against 20
+    # beside an honest server it falls from 80% of the picks (credited 4 x 20) to 80 / 53 against 20: it
+    # claims 4 times the honest one's throughput and is 13.25 times slower, 53 times slower than it claims
     candidates = [_answered("honest", 20.0), _answered("liar", 1e9, measured.latency("liar"))]
     counts = _counts(candidates, seed=7)
-    assert _close(counts["liar"], round(PICKS * (80 / 13.25) / (80 / 13.25 + 20))), counts
+    assert _close(counts["liar"], round(PICKS * (80 / 53) / (80 / 53 + 20))), counts
     assert counts["liar"] < PICKS / 4
     measured.failed("liar", "forward", 5.0)  # and each further failure takes more
     assert measured.latency("liar") > 20

@@ -5,7 +5,8 @@ waiting there, so a fast but congested server does not keep attracting requests.
 claim anyone can make, so it is bounded three ways, each against figures of the same stage
 (`Yardsticks`): by a multiple of the stage's typical announcement (`throughput_cap`); by the typical
 announcement itself while the caller has had no answer from the server (a newcomer's figure is unproven);
-and by the latency the caller measured there (`ServerLatencies`).
+and by the latency the caller measured there (`ServerLatencies`), against what the announcement implies:
+a server k times slower than it claims gets k times less.
 
 * `choose_server` draws at random. Prefer it whenever many trainers route independently: each one
   sees the same announcements, and a deterministic rule would send all of them to the same server at
@@ -21,7 +22,7 @@ import math
 import random
 import statistics
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Keeps every weight positive so a pool never has zero total weight, whatever a server announced.
 _MIN_WEIGHT = 1e-9
@@ -54,6 +55,10 @@ class Yardsticks:
     # together count as one typical server, however many identities they are (see `yardsticks`)
     unanswered_cap: float = math.inf
     latency: float | None = None  # the lower median of the measured latencies; None: none measured
+    # the lower median of measured latency x credited throughput: an honest server k times slower
+    # announces k times less and takes k times longer, so its product is the stage's; one slower than
+    # its announcement claims has a larger one
+    claim: float | None = None
 
 
 class ServerLatencies:
@@ -147,26 +152,36 @@ def yardsticks(candidates: Sequence[Candidate]) -> Yardsticks:
     the calls (each a failure and a ban). An honest newcomer still gets calls, and one answer lifts it out
     of the pool. With none answered (a caller that just started), each counts as a typical server."""
     typical = typical_throughput(candidates)
-    latencies = [c.latency for c in candidates if _is_latency(c.latency)]
     unanswered = sum(c.latency is None for c in candidates)
     answered = len(candidates) - unanswered
-    return Yardsticks(
+    sticks = Yardsticks(
         unannounced=unmeasured_throughput(candidates),
         cap=throughput_cap(candidates),
         unanswered_cap=math.inf if typical is None else typical / (max(unanswered, 1) if answered else 1),
-        latency=statistics.median_low(latencies) if latencies else None,
     )
+    measured = [c for c in candidates if _is_latency(c.latency)]
+    if not measured:
+        return sticks
+    return replace(sticks, latency=statistics.median_low([c.latency for c in measured]),
+                   claim=statistics.median_low([c.latency * _credited(c, sticks) for c in measured]))
+
+
+def _credited(c: Candidate, sticks: Yardsticks) -> float:
+    """Announced throughput, at most `sticks.cap` (at most `sticks.unanswered_cap` until the server has
+    answered us); a bogus announcement (0, negative, not finite) counts as `sticks.unannounced`."""
+    rate = min(c.throughput, sticks.cap) if _is_announced(c.throughput) else sticks.unannounced
+    return min(rate, sticks.unanswered_cap) if c.latency is None else rate
 
 
 def routing_weight(c: Candidate, sticks: Yardsticks = Yardsticks()) -> float:
-    """Announced throughput, at most `sticks.cap` (at most `sticks.unanswered_cap` until the server has
-    answered us), divided by k when its measured latency is k > 1 times the stage's, and discounted by
-    load. A bogus announcement (0, negative, not finite) counts as `sticks.unannounced`."""
-    rate = min(c.throughput, sticks.cap) if _is_announced(c.throughput) else sticks.unannounced
-    if c.latency is None:
-        rate = min(rate, sticks.unanswered_cap)
-    elif sticks.latency is not None and _is_latency(c.latency):
-        rate *= min(1.0, sticks.latency / c.latency)
+    """The credited throughput (see `_credited`), discounted by load and, for a server measured slower
+    than the stage's median, divided by how much slower it is than its announcement implies (k times
+    the stage's `claim`; k times the median latency where no claim is known). Measured faster, or as
+    slow as it said, it keeps its share: latency only discounts, and only a claim it does not live up to."""
+    rate = _credited(c, sticks)
+    if sticks.latency is not None and _is_latency(c.latency) and c.latency > sticks.latency:
+        k = c.latency / sticks.latency if not sticks.claim else c.latency * rate / sticks.claim
+        rate /= max(1.0, k)
     return max(rate, _MIN_WEIGHT) / (1 + max(c.queue, 0) + max(c.inflight, 0))
 
 
