@@ -37,6 +37,7 @@ from pathlib import Path
 
 from swarm.config import ModelConfig, load_config
 from swarm.ops.local import LocalSwarm
+from swarm.ops.report import collect
 from swarm.ops.run import run_local
 from swarm.ops.status import SwarmStatus
 
@@ -86,7 +87,7 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
     if kill_stage is not None:
         if not killed:
             raise RuntimeError("the swarm ended before the kill")
-        after = [c for c in summary["_completed"] if c[0] > killed[0]]
+        after = [c for c in collect(Path(run_dir))["_completed"] if c[0] > killed[0]]
         result["samples_per_second"] = sum(c[1] for c in after) / (after[-1][0] - killed[0])
         result["retries"], result["replays"] = summary["retries"], summary["replays"]
     return result
@@ -139,8 +140,8 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
               f"{r['vs_ref'] or 0:>7.3f}   {loss}")
         if "ended" in r:
             for rank, s in sorted(r["ended"]["survivors"].items()):
-                print(f"    rank {rank}: " + (f"{s['error']} after {s['at']:.1f}s, in {s['where']}" if "error" in s
-                                              else "finished"))
+                ended = f"{s['error'][:90]}... {s['at']:.1f}s into the timed run, in {s['where']}"
+                print(f"    rank {rank}: " + (ended if "error" in s else "finished"))
             if r["ended"]["hanging"]:
                 print(f"    ranks {r['ended']['hanging']} still waiting {PipelineRun().timeout + 30:.0f}s after "
                       "the kill were ended")
