@@ -44,9 +44,9 @@ class CpuShare:
         """Move the calling process into the share (from a child before its exec, or a worker's start)."""
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
-    def close(self, wait: float = 2.0) -> None:
-        """Remove the cgroup once its processes are gone (killed ones may take a moment to leave it); one
-        still inside after `wait` seconds keeps it."""
+    def close(self, wait: float = 10.0) -> None:
+        """Remove the cgroup once its processes are gone (killed ones, and a killed peer's daemon, may take
+        seconds to leave it); one still inside after `wait` seconds keeps it."""
         deadline = time.monotonic() + wait
         while True:
             try:
