@@ -227,6 +227,7 @@ class Trainer:
             try:
                 await self.view.refresh(self.directory)
                 self.caller.abandon_gone()
+                # every second view: a little under a period, so that sleep jitter never skips to the third
                 if time.monotonic() - announced >= self.cfg.net.announce_period * 0.9:
                     announced = time.monotonic()
                     await self._announce()
