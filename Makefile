@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: any looser spec would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# ...and held there while the rest installs, so that no requirement can pull another torch
+	$(BIN)/pip install -q -e '.[dev]' torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
