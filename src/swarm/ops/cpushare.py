@@ -58,5 +58,34 @@ class CpuShare:
                 time.sleep(0.05)
 
 
+def quota_cores(cgroup_file: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The cores this process is held to by a cgroup CPU quota (its own group's or an ancestor's, the
+    smallest), or None where it has none. A container's CPU limit is such a quota."""
+    limits = []
+    for line in _read(cgroup_file).splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpu" in controllers.split(","):
+            limits += _ancestors(V1, path, _v1_limit)
+        elif controllers == "":
+            limits += _ancestors(V2, path, _v2_limit)
+    found = [limit for limit in limits if limit is not None]
+    return min(found) if found else None
+
+
+def _ancestors(root: Path, path: str, limit) -> list[float | None]:
+    parts = [part for part in path.split("/") if part]
+    return [limit(root.joinpath(*parts[:depth])) for depth in range(len(parts) + 1)]
+
+
+def _v1_limit(group: Path) -> float | None:
+    quota, period = _read(group / "cpu.cfs_quota_us").strip(), _read(group / "cpu.cfs_period_us").strip()
+    return int(quota) / int(period) if quota and period and int(quota) > 0 else None
+
+
+def _v2_limit(group: Path) -> float | None:
+    fields = _read(group / "cpu.max").split()
+    return int(fields[0]) / int(fields[1]) if len(fields) == 2 and fields[0] != "max" else None
+
+
 def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""

@@ -45,7 +45,7 @@ class Deadline:
 class ComputeGate:
     def __init__(self, slowdown: float, cost_by_cpu: bool):
         """`slowdown`: see `_slowed`. `cost_by_cpu`: this thread does all of the work (a CPU server with
-        one torch thread), so its CPU time is what a job costs."""
+        one torch thread, not held to a CPU quota), so its CPU time is what a job costs."""
         self.slowdown = slowdown
         self.cost_by_cpu = cost_by_cpu
         self.lock = asyncio.Lock()

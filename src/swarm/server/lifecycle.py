@@ -31,6 +31,7 @@ from swarm.net.node import visible_addresses
 from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import StageServicer
+from swarm.ops.cpushare import quota_cores
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.batching import Batcher
@@ -99,7 +100,9 @@ class StageServer:
         on_stop_signals(loop, self.stop.set, cfg.server.leave_timeout + STOP_MARGIN, f"server {self.label}")
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self.lag = LoopLag()  # how long the event loop was kept from running (in the summary)
-        self.gate = ComputeGate(cfg.server.slowdown, cfg.server.device == "cpu" and torch.get_num_threads() == 1)
+        # under a CPU quota the quota is the machine: time spent throttled is what the work costs there
+        self.gate = ComputeGate(cfg.server.slowdown, cfg.server.device == "cpu" and torch.get_num_threads() == 1
+                                and quota_cores() is None)
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
