@@ -120,9 +120,14 @@ class GradientKeeper:
 
     async def settle(self) -> int:
         """After the last microbatch: wait (bounded) until every gradient we sent is in a step; how many
-        are not."""
-        deadline = time.monotonic() + self.tc.settle_timeout
-        while self.kept and time.monotonic() < deadline and not self.stop.is_set():
+        are not. A gradient in doubt cannot be judged before its `judge_after` (request_timeout after the
+        call failed), so it is given settle_timeout from then: one that failed just before the end is
+        still judged, and replayed if it was lost, rather than left unresolved."""
+        started = time.monotonic()
+        while self.kept and not self.stop.is_set():
+            judgeable = max(g.judge_after for g in self.kept.values())
+            if time.monotonic() >= max(started, judgeable) + self.tc.settle_timeout:
+                break
             await asyncio.sleep(0.1)
         if self.kept:
             log.warning("%d microbatch gradients not confirmed in a step after %.0fs", len(self.kept),
