@@ -170,7 +170,8 @@ class StageServer:
         outside it), announce; None if stopped before it could serve."""
         cfg, peer, gate = self.cfg, self.peer, self.gate
         self.traffic.counts.clear()
-        st = await gate.run(ServedStage.build, cfg.model, cfg.optim, cfg.server, index, peer.peer_id, self.label)
+        st = await gate.run(ServedStage.build, cfg.model, cfg.optim, cfg.server, index, peer.peer_id, self.label,
+                            cfg.wire.policy())
         st.busy_start = gate.busy_seconds
         gate.count_work = st.work.count
         batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)

@@ -43,6 +43,7 @@ from swarm.server.nag import NesterovCorrection
 from swarm.server.records import BatchGraph, StepRecord
 from swarm.server.stash import KeptWeights
 from swarm.server.state_io import Lender, digest, export_state, import_state
+from swarm.wire.codecs import Packed, Policy
 
 LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
 
@@ -55,8 +56,10 @@ class StageRuntime:
         device: str = "cpu",
         autocast: str = "none",
         graph_ttl: float = 120.0,
+        wire: Policy | None = None,
     ):
         self.device = torch.device(device)
+        self.wire = wire  # how results leave (see `_out`); None: as float tensors on the host
         self.module = module.to(self.device)
         self.is_first = bool(getattr(module, "is_first", False))
         self.is_last = bool(getattr(module, "is_last", False))
@@ -114,6 +117,15 @@ class StageRuntime:
         return contextlib.nullcontext() if self.autocast_dtype is None else torch.autocast(
             self.device.type, dtype=self.autocast_dtype)
 
+    def _out(self, role: str, tensor: torch.Tensor) -> torch.Tensor | Packed:
+        """A result as it leaves the compute thread. Packed here by its wire codec, where it lies: on a GPU
+        it is quantized before the copy to the host (a quarter of the bytes cross the bus with 8-bit
+        codecs), and the event loop, which also renews the server's DHT records, does no codec work."""
+        if self.wire is None:
+            return tensor.detach().float().cpu()
+        packed = self.wire.pack(role, tensor.detach().float())
+        return Packed(packed.meta, [part.cpu() for part in packed.parts])
+
     def _leaf(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device)
         return x if self.is_first else x.detach().float().requires_grad_(True)
@@ -136,7 +148,7 @@ class StageRuntime:
         for req_id, x in requests:
             graph.rows[req_id] = rows = slice(start, start + x.shape[0])
             self.graphs[req_id] = graph
-            results.append(outputs[rows].detach().float().cpu())
+            results.append(self._out("activations", outputs[rows]))
             start = rows.stop
         return results
 
@@ -155,9 +167,9 @@ class StageRuntime:
             scaled.backward()
             self._hold(req_id, x.shape[0], self.version)
             self._local_update(x.shape[0])
-            grad = None if self.is_first else inputs.grad.cpu()
+            grad = None if self.is_first else self._out("gradients", inputs.grad)
         else:
-            grad = None if self.is_first else torch.autograd.grad(scaled, inputs)[0].cpu()
+            grad = None if self.is_first else self._out("gradients", torch.autograd.grad(scaled, inputs)[0])
         return float(loss.detach()), grad
 
     def live_graph(self, req_id: str) -> BatchGraph | None:
@@ -192,7 +204,7 @@ class StageRuntime:
         self.recomputed_backwards += 1
         self._hold(req_id, x.shape[0], self.version)
         self._local_update(x.shape[0])
-        return None if self.is_first else inputs.grad.cpu()
+        return None if self.is_first else self._out("gradients", inputs.grad)
 
     def _input_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
         """d(loss)/d(inputs) alone, leaving parameter gradients untouched (stage 0 has none to give)."""
@@ -201,7 +213,8 @@ class StageRuntime:
         inputs = self._leaf(x)
         with self._autocast():
             outputs = self.module(inputs)
-        return torch.autograd.grad(outputs, inputs, grad_out.to(self.device).to(outputs.dtype))[0].cpu()
+        grad = torch.autograd.grad(outputs, inputs, grad_out.to(self.device).to(outputs.dtype))[0]
+        return self._out("gradients", grad)
 
     def backward_batch(
         self, graph: BatchGraph, grads: dict[str, torch.Tensor]
@@ -227,7 +240,7 @@ class StageRuntime:
                 rows = graph.rows[r]
                 samples += rows.stop - rows.start
                 self._hold(r, rows.stop - rows.start, graph.version)
-                results[r] = None if self.is_first else graph.inputs.grad[rows].cpu()
+                results[r] = None if self.is_first else self._out("gradients", graph.inputs.grad[rows])
             if graph.stash is not None:  # the gradient at the stashed weights, applied to the live ones
                 for p, name in zip(self.params, self.param_names, strict=True):
                     p.grad = graph.stash[name].grad

@@ -18,6 +18,7 @@ from swarm.model import build_stage, stage_boundary
 from swarm.server.checkpoints import CheckpointStore
 from swarm.server.records import StepRecord
 from swarm.server.runtime import StageRuntime
+from swarm.wire.codecs import Policy
 from swarm.wire.validate import TensorSpec
 
 log = logging.getLogger("swarm.server")
@@ -89,11 +90,12 @@ class ServedStage:
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,
-              label: str) -> ServedStage:
-        """The stage at its initial weights (run on the compute thread: building may take a while)."""
+              label: str, wire: Policy | None = None) -> ServedStage:
+        """The stage at its initial weights (run on the compute thread: building may take a while).
+        `wire`: the codecs results are packed with on the compute thread (see StageRuntime._out)."""
         module = build_stage(model, index)  # this stage alone, where the model spec allows it
         in_spec, out_spec = stage_specs(model, module)
-        runtime = StageRuntime(module, optim, server.device, server.autocast, server.graph_ttl)
+        runtime = StageRuntime(module, optim, server.device, server.autocast, server.graph_ttl, wire)
         checkpoints = (CheckpointStore(server.checkpoint_dir, index, server.keep_checkpoints)
                        if server.checkpoint_dir else None)
         return cls(index, peer_id, label, runtime, in_spec, out_spec, checkpoints)
