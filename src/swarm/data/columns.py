@@ -33,16 +33,15 @@ def is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
 
 
-def _no_column(where: Path, field: str, columns: list[str]) -> ConfigError:
-    return ConfigError(f'data.text_field: {where} has no column "{field}" (columns: {", ".join(columns)})')
+def _require_column(where: Path, field: str, columns: list[str]) -> None:
+    if field not in columns:
+        raise ConfigError(f'data.text_field: {where} has no column "{field}" (columns: {", ".join(columns)})')
 
 
 def _texts(batches: Iterator[Any], field: str, where: Path) -> Iterator[bytes]:
     """The non-null strings of column `field` of record batches, as UTF-8."""
     pa = _pyarrow()
     for batch in batches:
-        if field not in batch.schema.names:
-            raise _no_column(where, field, batch.schema.names)
         column = batch.column(field)
         if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
             raise ConfigError(f'data.text_field: column "{field}" of {where} holds {column.type}, not text')
@@ -57,8 +56,9 @@ def column_documents(path: Path, field: str) -> Iterator[bytes]:
     pa = _pyarrow()
     try:
         if path.suffix == ".parquet":
-            batches = pa.parquet.ParquetFile(path).iter_batches(batch_size=ROWS_PER_BATCH, columns=[field])
-            yield from _texts(batches, field, path)
+            parquet = pa.parquet.ParquetFile(path)
+            _require_column(path, field, parquet.schema_arrow.names)
+            yield from _texts(parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field]), field, path)
             return
         with pa.memory_map(str(path)) as source:
             try:
@@ -66,7 +66,9 @@ def column_documents(path: Path, field: str) -> Iterator[bytes]:
                 batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
             except pa.ArrowInvalid:
                 source.seek(0)
-                batches = iter(pa.ipc.open_stream(source))
+                reader = pa.ipc.open_stream(source)
+                batches = iter(reader)
+            _require_column(path, field, reader.schema.names)
             yield from _texts(batches, field, path)
     except (OSError, pa.ArrowException) as exc:
         raise ConfigError(f"data.path: cannot read {path}: {type(exc).__name__}: {exc}") from exc
@@ -87,7 +89,6 @@ def dataset_documents(path: Path, field: str, split: str) -> Iterator[bytes]:
     loaded = datasets.load_from_disk(str(path))
     if isinstance(loaded, datasets.DatasetDict):
         loaded = loaded[split]
-    if field not in loaded.column_names:
-        raise _no_column(path, field, loaded.column_names)
+    _require_column(path, field, loaded.column_names)
     yield from _texts(loaded.select_columns([field]).with_format("arrow").iter(batch_size=ROWS_PER_BATCH),
                       field, path)
