@@ -4,7 +4,8 @@ An entry is named by a digest of everything that decides its content: the text i
 bytes, in order), the tokenizer's identity, `model.seq_len` and the layout's `FORMAT`. Change any of them
 and the digest changes, so an entry is never stale, only unused. An entry is a raw int32 file of
 [rows, seq_len+1] samples, memory-mapped when read (trainers on one machine share its pages), and a JSON
-file written after it, atomically, that marks it complete.
+file written after it, atomically, that marks it complete and holds the digest of the samples themselves
+(`content_digest`, which names the table: swarm.data.sharding).
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ def default_root() -> Path:
     return Path(base) / "swarm" / "tokens"
 
 
+def content_digest(parts: Iterable[np.ndarray]) -> str:
+    """A digest of int32 samples, the same however they are split into parts."""
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        digest.update(np.ascontiguousarray(part, dtype=np.int32).tobytes())
+    return digest.hexdigest()
+
+
 def cache_key(text_digest: str, tokens_identity: str, seq_len: int) -> str:
     blob = json.dumps({"format": FORMAT, "text": text_digest, "tokens": tokens_identity, "seq_len": seq_len})
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
@@ -38,33 +47,38 @@ class TokenCache:
         self.path = root / f"{key}.tokens"
         self._meta = root / f"{key}.json"
 
-    def load(self) -> np.ndarray | None:
-        """The entry's samples, memory-mapped read-only; None if there is no complete entry."""
+    def load(self) -> tuple[np.ndarray, str] | None:
+        """The entry's samples, memory-mapped read-only, and their content digest; None if there is no
+        complete entry."""
         try:
-            rows = int(json.loads(self._meta.read_text())["rows"])
+            meta = json.loads(self._meta.read_text())
+            rows, digest = int(meta["rows"]), str(meta["digest"])
             if self.path.stat().st_size != rows * self.width * 4:
                 return None
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if rows == 0:
-            return np.empty((0, self.width), dtype=np.int32)
-        return np.memmap(self.path, dtype=np.int32, mode="r", shape=(rows, self.width))
+            return np.empty((0, self.width), dtype=np.int32), digest
+        return np.memmap(self.path, dtype=np.int32, mode="r", shape=(rows, self.width)), digest
 
-    def store(self, parts: Iterable[np.ndarray], about: dict) -> np.ndarray:
+    def store(self, parts: Iterable[np.ndarray], about: dict) -> tuple[np.ndarray, str]:
         """Write the samples as they come (the table is never whole in memory), then mark the entry
         complete; trainers that write the same entry at once each write their own file, and the last
         rename wins (the contents are equal)."""
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        rows = 0
+        digest, rows = hashlib.blake2b(digest_size=16), 0
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as out:
                 for part in parts:
-                    out.write(np.ascontiguousarray(part, dtype=np.int32).tobytes())
+                    data = np.ascontiguousarray(part, dtype=np.int32).tobytes()
+                    out.write(data)
+                    digest.update(data)
                     rows += len(part)
             os.replace(tmp, self.path)
             meta_tmp = self._meta.with_name(f"{self._meta.name}.{os.getpid()}.tmp")
-            meta_tmp.write_text(json.dumps({**about, "rows": rows, "width": self.width, "format": FORMAT}))
+            meta_tmp.write_text(json.dumps({**about, "rows": rows, "width": self.width, "format": FORMAT,
+                                            "digest": digest.hexdigest()}))
             os.replace(meta_tmp, self._meta)
         except OSError as exc:
             raise ConfigError(f"data.cache_dir: cannot write the token cache in {self.root}: {exc}") from exc

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from swarm.config.schema import DataConfig, ModelConfig
-from swarm.data.cache import TokenCache, cache_key, default_root
+from swarm.data.cache import TokenCache, cache_key, content_digest, default_root
 from swarm.data.corpus import documents, load_documents
 from swarm.data.sharding import SampleTable, chunk_documents, chunk_stream
 from swarm.data.tokens import BYTES, Tokens, check_vocab, load_tokens
@@ -51,33 +51,36 @@ def _ids(tokens: Tokens, texts: Iterable[bytes]) -> Iterator[np.ndarray]:
 
 
 def _tokenized(data: DataConfig, tokens: Tokens, seq_len: int) -> tuple[np.ndarray, str]:
-    """The tokenized corpus from the cache, or tokenized now and cached. The text is read twice on a miss
-    (once for its digest, once to tokenize) so that it is never held whole in memory."""
+    """The tokenized corpus from the cache, or tokenized now and cached, and its content digest. The text
+    is read twice on a miss (once for its digest, once to tokenize) so that it is never held whole in
+    memory."""
     digest, count, size = text_digest(documents(data))
     key = cache_key(digest, tokens.identity, seq_len)
     cache = TokenCache(Path(data.cache_dir) if data.cache_dir else default_root(), key, seq_len + 1)
-    chunks = cache.load()
-    if chunks is not None:
+    cached = cache.load()
+    if cached is not None:
+        chunks, content = cached
         log.info("read %d samples of %d tokens from the token cache %s (%s, %d documents unchanged since "
                  "they were tokenized)", len(chunks), seq_len + 1, cache.path, tokens.name, count)
-        return chunks, key
+        return chunks, content
     started = time.monotonic()
     about = {"path": data.path, "text_field": data.text_field, "tokenizer": data.tokenizer, "documents": count}
-    chunks = cache.store(chunk_stream(_ids(tokens, documents(data)), seq_len), about)
+    chunks, content = cache.store(chunk_stream(_ids(tokens, documents(data)), seq_len), about)
     log.info("tokenized %d documents (%.1f MB of text) with %s into %d samples of %d tokens in %.1fs; cached "
              "in %s", count, size / 1e6, tokens.name, len(chunks), seq_len + 1, time.monotonic() - started,
              cache.path)
-    return chunks, key
+    return chunks, content
 
 
 def load_samples(data: DataConfig, model: ModelConfig) -> SampleTable:
-    """The samples of `data` for `model` (ConfigError if the model's vocabulary is too small for them)."""
+    """The samples of `data` for `model` (ConfigError if the model's vocabulary is too small for them).
+    The table is named by the digest of the samples themselves, so trainers agree exactly when their
+    samples are equal, whatever library versions made them."""
     tokens = load_tokens(data)
     check_vocab(tokens, model)
     if tokens is BYTES:  # bytes need no tokenizing, so nothing is cached: cut them directly
-        texts = load_documents(data)
-        chunks = chunk_documents(_ids(BYTES, texts), model.seq_len)
-        key = cache_key(text_digest(texts)[0], BYTES.identity, model.seq_len)
+        chunks = chunk_documents(_ids(BYTES, load_documents(data)), model.seq_len)
+        content = content_digest([chunks])
     else:
-        chunks, key = _tokenized(data, tokens, model.seq_len)
-    return SampleTable(chunks, tokens.pad_id, data.seed, key, data.validation_samples)
+        chunks, content = _tokenized(data, tokens, model.seq_len)
+    return SampleTable(chunks, tokens.pad_id, data.seed, content, data.validation_samples)

@@ -54,7 +54,7 @@ class SampleTable:
     names one sample everywhere, and no trainer ever trains on a held-out one.
 
     `chunks` is int32 [N, seq_len+1] (it may be a memory map of the token cache), IGNORE_INDEX where
-    padded; `digest` identifies its content (the text, the tokenizer, seq_len)."""
+    padded; `digest` is a digest of its content (swarm.data.cache.content_digest)."""
 
     def __init__(self, chunks: np.ndarray, pad_id: int, seed: int, digest: str, validation: int = 0) -> None:
         if len(chunks) == 0:
@@ -78,7 +78,7 @@ class SampleTable:
     @property
     def name(self) -> str:
         """What identifies the orders: trainers that agree on it agree on every position's sample. The
-        digest makes trainers with other text or another tokenizer never agree by accident."""
+        content digest keeps trainers with other text or another tokenizer from agreeing by accident."""
         return f"n{len(self)}v{len(self._validation)}s{self._seed}p{self.pad_id}-{self.digest[:12]}"
 
     def order(self, pass_: int) -> np.ndarray:

@@ -28,7 +28,7 @@ class Tokens:
     name: str  # what the ids come from, for messages
     pad_id: int
     vocab_size: int  # every id it produces (the pad id included) is below it
-    identity: str  # digest of what decides the ids: trainers with equal identities encode text alike
+    identity: str  # digest of what decides the ids (a key of the token cache)
     encode: Callable[[list[bytes]], list[np.ndarray]]  # documents (UTF-8) -> int32 ids, one array each
 
 
@@ -68,7 +68,7 @@ def _hf_tokens(path: str) -> Tokens:
     vocab = tokenizer.get_vocab()
     size = max(len(tokenizer), max(vocab.values(), default=-1) + 1)
     # what decides the ids: the whole tokenizer as a fast one serializes itself, else its vocabulary
-    rules = tokenizer.backend_tokenizer.to_str() if tokenizer.is_fast else sorted(vocab.items())
+    rules = json.loads(tokenizer.backend_tokenizer.to_str()) if tokenizer.is_fast else sorted(vocab.items())
     identity = _digest({"class": type(tokenizer).__name__, "rules": rules, "pad": pad, "eos": eos})
     tail = [] if eos is None else [eos]
 

@@ -11,6 +11,8 @@ Each stage accumulates the microbatch's gradient (`swarm.server.handlers`), step
 to accumulate each gradient again until the stage's ledger shows it in a durable step
 (`swarm.trainer.delivery`). Several microbatches are in flight at once so one trainer keeps servers of
 every stage busy; microbatches whose forward failed before anything was accumulated are retried whole.
+With `trainer.eval_every`, held-out samples go through the stages' `evaluate` call, which changes
+nothing on the servers, for a validation loss (`swarm.trainer.evaluation`).
 """
 
 from __future__ import annotations
