@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from swarm.config import load_config
-from swarm.data import SampleTable, load_documents, split_inputs_targets
+from swarm.data import load_samples, split_inputs_targets
 from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import encode
 from swarm.ops.run import run_local
@@ -40,13 +40,13 @@ def baseline(cfg, steps: int) -> float:
     torch.set_num_threads(torch.get_num_threads())
     model = ComposedModel(load_stages(cfg.model))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
-    table = SampleTable(load_documents(cfg.data), cfg.model.seq_len, cfg.data.seed)
+    table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.trainer.microbatch_size)
     per_step = cfg.optim.target_batch_size // cfg.trainer.microbatch_size
 
     def step() -> None:
         for _ in range(per_step):
-            inputs, targets = split_inputs_targets(next(batches))
+            inputs, targets = split_inputs_targets(next(batches), table.pad_id)
             (model(inputs, targets) * inputs.shape[0] / cfg.optim.target_batch_size).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from swarm.config import load_config
-from swarm.data import SampleTable, load_documents, split_inputs_targets
+from swarm.data import load_samples, split_inputs_targets
 from swarm.model import build_stage
 from swarm.ops.cpushare import CpuShare
 
@@ -100,12 +100,12 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
     schedule = SCHEDULES[run.schedule](stage, n_microbatches=share // mb, loss_fn=lambda loss, _target: loss)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas)
-    table = SampleTable(load_documents(cfg.data), cfg.model.seq_len, cfg.data.seed)
+    table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.optim.target_batch_size)
     losses_by_step: list[float] = []
 
     def step() -> None:
-        inputs, targets = split_inputs_targets(next(batches)[pipeline * share : (pipeline + 1) * share])
+        inputs, targets = split_inputs_targets(next(batches)[pipeline * share : (pipeline + 1) * share], table.pad_id)
         if stage.is_first:
             schedule.step(inputs)
         else:

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.config import ModelConfig
-from swarm.model import PAD_ID
 
 
 class Embed(nn.Module):
@@ -34,7 +33,7 @@ class Head(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.vocab_size)
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.out(hidden).flatten(0, 1), targets.flatten(), ignore_index=PAD_ID)
+        return F.cross_entropy(self.out(hidden).flatten(0, 1), targets.flatten())  # skips IGNORE_INDEX
 
 
 def tiny_spec(cfg: ModelConfig) -> list[nn.Module]:

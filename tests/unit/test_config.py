@@ -102,6 +102,11 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (["rebalance.period=0"], "rebalance.period"),
         (["local.layout=[4,1]", "model.num_stages=3"], "local.layout"),
         (["local.layout=[2,-1]", "model.num_stages=2"], "local.layout"),
+        (["trainer.eval_every=10"], "trainer.eval_every: needs held-out samples to evaluate on"),
+        (["trainer.eval_every=-1", "data.validation_samples=8"], "trainer.eval_every"),
+        (["data.validation_samples=-1"], "data.validation_samples"),
+        (['data.text_field=""'], "data.text_field"),
+        (['data.tokenizer=""'], "data.tokenizer"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

@@ -1,4 +1,5 @@
-"""Corpus loading, samples and the order of each pass, and that padding never reaches the loss."""
+"""Corpus loading, samples, the held-out split and the order of each pass, and that padding never reaches
+the loss (byte-level; tokenizers and datasets: test_hf_data.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from swarm.config import ConfigError, DataConfig, ModelConfig
-from swarm.data import SampleTable, chunk_documents, load_documents, split_inputs_targets
-from swarm.model import PAD_ID, build_stages
+from swarm.data import BYTE_PAD_ID, BYTES, SampleTable, chunk_documents, load_documents, split_inputs_targets
+from swarm.model import build_stages
+from swarm.wire.validate import IGNORE_INDEX
 
 SEQ = 16
+
+
+def byte_table(documents: list[bytes], seq_len: int = SEQ, seed: int = 0, validation: int = 0,
+               digest: str = "d") -> SampleTable:
+    return SampleTable(chunk_documents(BYTES.encode(documents), seq_len), BYTE_PAD_ID, seed, digest, validation)
 
 
 def random_documents(count: int = 40, seed: int = 0) -> list[bytes]:
@@ -77,18 +85,18 @@ def test_bad_paths_name_data_path(tmp_path: Path, name: str, content: str | None
 
 def test_chunks_overlap_by_one_token_and_rebuild_the_document() -> None:
     document = bytes(range(3 * SEQ + 1))
-    chunks = chunk_documents([document], SEQ)
-    assert chunks.shape == (3, SEQ + 1) and (chunks != PAD_ID).all()
+    chunks = chunk_documents(BYTES.encode([document]), SEQ)
+    assert chunks.shape == (3, SEQ + 1) and chunks.dtype == np.int32 and (chunks != IGNORE_INDEX).all()
     rebuilt = list(chunks[0]) + [t for row in chunks[1:] for t in row[1:]]
     assert bytes(int(t) for t in rebuilt) == document
 
 
 def test_padding_only_at_document_ends() -> None:
     documents = random_documents()
-    chunks = torch.from_numpy(chunk_documents(documents, SEQ))
+    chunks = torch.from_numpy(chunk_documents(BYTES.encode(documents), SEQ))
     padded_rows = 0
     for row in chunks:
-        pad = row == PAD_ID
+        pad = row == IGNORE_INDEX
         real = bytes(row[~pad].tolist())
         assert len(real) >= 8  # mostly-padding tails are dropped
         if pad.any():
@@ -102,20 +110,40 @@ def test_padding_only_at_document_ends() -> None:
 
 def test_each_pass_orders_every_sample_once_the_same_way_for_everyone() -> None:
     documents = random_documents()
-    table = torch.from_numpy(chunk_documents(documents, SEQ)).long()
-    samples = SampleTable(documents, SEQ, seed=7)
-    assert len(samples) == len(table) and samples.name == f"n{len(table)}s7"
+    table = torch.from_numpy(chunk_documents(BYTES.encode(documents), SEQ)).long()
+    samples = byte_table(documents, seed=7)
+    assert len(samples) == len(table)
     one_pass = samples.samples(0, 0, len(samples))
     assert sorted(map(tuple, one_pass.tolist())) == sorted(map(tuple, table.tolist()))
-    assert torch.equal(SampleTable(documents, SEQ, seed=7).samples(0, 5, 9), one_pass[5:9])  # another trainer
+    assert torch.equal(byte_table(documents, seed=7).samples(0, 5, 9), one_pass[5:9])  # another trainer
     assert not torch.equal(samples.samples(1, 0, len(samples)), one_pass)  # each pass is reshuffled
-    assert not torch.equal(SampleTable(documents, SEQ, seed=8).samples(0, 0, len(samples)), one_pass)
-    assert one_pass.dtype == torch.long and 0 <= one_pass.min() and one_pass.max() <= PAD_ID
+    assert not torch.equal(byte_table(documents, seed=8).samples(0, 0, len(samples)), one_pass)
+    assert one_pass.dtype == torch.long and set(one_pass.unique().tolist()) <= {IGNORE_INDEX, *range(256)}
+    # trainers whose samples differ in any way never share a name (and with it the DHT's block records)
+    names = {byte_table(documents, seed=7).name, byte_table(documents, seed=8).name,
+             byte_table(documents, seed=7, digest="e").name, byte_table(documents, seed=7, validation=3).name,
+             SampleTable(table.int().numpy(), 0, 7, "d").name}
+    assert len(names) == 5
+
+
+def test_held_out_samples_are_the_same_everywhere_and_never_in_a_pass() -> None:
+    documents = random_documents()
+    everything = byte_table(documents).samples(0, 0, len(byte_table(documents)))
+    table = byte_table(documents, seed=3, validation=7)
+    held_out = table.validation()
+    assert len(held_out) == 7 and len(table) == len(everything) - 7
+    assert torch.equal(byte_table(documents, seed=3, validation=7).validation(), held_out)  # another trainer
+    rows = lambda t: sorted(map(tuple, t.tolist()))  # noqa: E731
+    for pass_ in range(3):
+        trained = table.samples(pass_, 0, len(table))
+        assert rows(torch.cat([trained, held_out])) == rows(everything)  # a pass is all the rest, once
+    with pytest.raises(ConfigError, match="data.validation_samples: 40 leaves nothing to train on"):
+        byte_table(documents[:3], validation=40)
 
 
 def test_a_stream_goes_pass_after_pass() -> None:
     documents = random_documents()
-    samples = SampleTable(documents, SEQ, seed=3)
+    samples = byte_table(documents, seed=3)
     per_pass = len(samples) // 5
     batches = list(itertools.islice(samples.stream(5), per_pass + 1))
     assert all(b.shape == (5, SEQ + 1) for b in batches)
@@ -125,22 +153,25 @@ def test_a_stream_goes_pass_after_pass() -> None:
 
 def test_a_corpus_without_a_sample_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="no sample"):
-        SampleTable([b"tiny"], SEQ, seed=0)
+        byte_table([b"tiny"])
 
 
-def test_split_inputs_targets_shifts_by_one() -> None:
+def test_split_inputs_targets_shifts_by_one_and_pads_inputs_with_the_pad_id() -> None:
     batch = torch.arange(2 * (SEQ + 1)).view(2, SEQ + 1)
-    inputs, targets = split_inputs_targets(batch)
+    batch[1, -3:] = IGNORE_INDEX  # a padded tail
+    inputs, targets = split_inputs_targets(batch, pad_id=5)
     assert inputs.shape == targets.shape == (2, SEQ)
-    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+    assert torch.equal(inputs[0, 1:], targets[0, :-1])
+    assert inputs[1, -2:].tolist() == [5, 5] and targets[1, -3:].tolist() == [IGNORE_INDEX] * 3
+    assert torch.equal(inputs[1, :-2], batch[1, :-3]) and batch[1, -1] == IGNORE_INDEX  # the batch is left as it was
 
 
 def test_loss_ignores_padding_targets() -> None:
     cfg = ModelConfig(d_model=32, n_heads=2, d_ff=64, n_layers=2, seq_len=SEQ, num_stages=1)
     (stage,) = build_stages(cfg)
     inputs = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    inputs[1, -5:] = PAD_ID  # padded inputs are embedded like any token
-    targets = torch.full((2, SEQ), PAD_ID)
+    inputs[1, -5:] = BYTE_PAD_ID  # padded inputs are embedded like any token
+    targets = torch.full((2, SEQ), IGNORE_INDEX)
     kept = [(0, 3), (0, 9), (1, 2)]
     for row, col in kept:
         targets[row, col] = 65 + col

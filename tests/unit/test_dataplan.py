@@ -7,10 +7,10 @@ import asyncio
 import random
 
 import pytest
+from tests.unit.test_data import byte_table
 
 from swarm.config import DataConfig
 from swarm.core.dataplan import LEASE_MARGIN, Claim, cut, merged, missing, pick_block
-from swarm.data import SampleTable
 from swarm.trainer import feed as feed_module
 from swarm.trainer.feed import BlockLost, DataFeed, Piece
 from swarm.wire.records import RecordError, block_from_value, block_value
@@ -74,7 +74,7 @@ class MemoryDirectory:
 @pytest.fixture
 def shared(monkeypatch):
     monkeypatch.setattr(feed_module, "CLAIM_SETTLE", 0.0)
-    table = SampleTable([random.Random(0).randbytes(1600)], seq_len=16, seed=1)  # 100 samples
+    table = byte_table([random.Random(0).randbytes(1600)], seq_len=16, seed=1, validation=10)  # 90 + 10 held out
     data = DataConfig(block_samples=max(8, len(table) // 5), lease_seconds=10.0)
     return table, data, MemoryDirectory()
 
@@ -122,6 +122,9 @@ def test_trainers_coming_and_going_cover_a_pass_once(shared) -> None:
     expected = sum(min(data.block_samples, len(table) - k * data.block_samples)
                    for k in range(-(-len(table) // data.block_samples)) if k not in held)
     assert len(positions) == expected
+    trained = {tuple(table.samples(0, block * data.block_samples + i, block * data.block_samples + i + 1)[0].tolist())
+               for block, i in positions}
+    assert len(trained) == len(positions) and not trained & set(map(tuple, table.validation().tolist()))
 
 
 async def one_consumed(table, directory, data) -> tuple[DataFeed, Piece]:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from swarm.config import ConfigError, ModelConfig
+from swarm.data import BYTE_PAD_ID, split_inputs_targets
 from swarm.model import (
-    PAD_ID,
     Boundary,
     ComposedModel,
     GPTStage,
@@ -19,6 +19,7 @@ from swarm.model import (
     stage_boundary,
 )
 from swarm.model.spec import builds_one_stage, probe_boundary
+from swarm.wire.validate import IGNORE_INDEX
 
 TINY = {"d_model": 32, "n_heads": 2, "d_ff": 64, "seq_len": 16, "vocab_size": 257}
 
@@ -30,8 +31,8 @@ def tiny_cfg(**overrides: object) -> ModelConfig:
 def sample(batch: int = 3, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 256, (batch, seq + 1), generator=gen)
-    tokens[0, -4:] = PAD_ID  # a padded sample tail, as the corpus produces
-    return tokens[:, :-1], tokens[:, 1:]
+    tokens[0, -4:] = IGNORE_INDEX  # a padded sample tail, as the corpus produces
+    return split_inputs_targets(tokens, BYTE_PAD_ID)
 
 
 def pipelined_loss(

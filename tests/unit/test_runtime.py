@@ -15,9 +15,11 @@ from hivemind.proto import runtime_pb2
 
 from swarm.config import ModelConfig, OptimConfig
 from swarm.core.schedule import warmup_lr
-from swarm.model import PAD_ID, ComposedModel, load_stages
+from swarm.data import BYTE_PAD_ID, split_inputs_targets
+from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import decode, encode
 from swarm.server.runtime import LEDGER_EPOCHS, StageRuntime
+from swarm.wire.validate import IGNORE_INDEX
 
 SEQ = 16
 D_MODEL = 32
@@ -40,8 +42,8 @@ def tiny_cfg(n_layers: int = 3, num_stages: int = 3) -> ModelConfig:
 def batch(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 256, (size, SEQ + 1), generator=gen)
-    tokens[0, -5:] = PAD_ID  # a padded tail: those targets do not count in the loss
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    tokens[0, -5:] = IGNORE_INDEX  # a padded tail: those targets do not count in the loss
+    return split_inputs_targets(tokens, BYTE_PAD_ID)
 
 
 def hidden(size: int, seed: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from swarm.server.handlers import StageHandlers
 from swarm.server.replies import ReplyCache
 from swarm.server.stage import ServedStage
 from swarm.wire.calls import StageCall
-from swarm.wire.validate import BadRequest, Unavailable
+from swarm.wire.validate import IGNORE_INDEX, BadRequest, Unavailable
 
 CFG = load_config(overrides=["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2",
                              "model.seq_len=16", "model.num_stages=2"])
@@ -181,4 +181,49 @@ def test_a_gradient_is_accumulated_only_with_its_trainers_receipt_for_this_serve
         await handlers.forward(call(), last_stage_request(), me)
         assert st.runtime.pending_samples == 2
         assert st.runtime.book.receipts_for([f"{me}/r1"]) == [[2, call()["receipt"]]]
+    run(scenario())
+
+
+def test_evaluate_answers_the_loss_and_leaves_nothing_behind():
+    """A validation forward: the last stage's loss at its current weights (padding, -100, ignored), and
+    no gradient, ledger entry, receipt, kept graph, reply or served sample counted."""
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        x, targets = last_stage_request()
+        targets[0, -5:] = IGNORE_INDEX
+        meta, tensors = await handlers.evaluate(StageCall("v1", 1, "hash", accumulate=False).to_meta(), [x, targets],
+                                                ID["caller"])
+        with torch.no_grad():
+            assert meta["loss"] == pytest.approx(float(st.runtime.module(x, targets)), abs=1e-6)
+        assert tensors == [] and meta["epoch"] == 0
+        assert st.runtime.pending_samples == 0 and not st.runtime.graphs and st.counters["samples_served"] == 0
+        assert all(p.grad is None for p in st.runtime.params) and st.runtime.module.training
+        assert handlers.replies.repeat(f"{ID['caller']}/v1", 0) is None
+        # an accumulating call with its receipt is still only evaluated
+        await handlers.evaluate(call(req="v2"), [x, targets], ID["caller"])
+        assert st.runtime.pending_samples == 0 and not st.runtime.book.receipts
+        for bad, why in [(torch.full_like(targets, -5), r"ids must lie in \[0, 257\) or be -100"),
+                         (torch.full_like(targets, 257), "ids must lie"), (targets[:1], "batch sizes differ")]:
+            with pytest.raises(BadRequest, match=why):
+                await handlers.evaluate(call(req="v3"), [x, bad], ID["caller"])
+        with pytest.raises(BadRequest, match="takes \\(inputs, targets\\)"):
+            await handlers.evaluate(call(req="v3"), [x], ID["caller"])
+        with pytest.raises(Unavailable, match="stale replica"):
+            await handlers.evaluate(call(req="v3", epoch=2), [x, targets], ID["caller"])
+        st.moving_to = 0
+        with pytest.raises(Unavailable, match="moving to stage 0"):
+            await handlers.evaluate(call(req="v3"), [x, targets], ID["caller"])
+    run(scenario())
+
+
+def test_evaluate_on_an_earlier_stage_returns_its_outputs_and_keeps_no_graph():
+    async def scenario():
+        handlers, st = served(0, ComputeGate(1.0, False))
+        ids = torch.randint(0, 257, (2, 16))
+        _, (y,) = await handlers.evaluate(call(stage=0, req="v1"), [ids], ID["caller"])
+        assert not st.runtime.graphs and st.counters["samples_served"] == 0
+        with torch.no_grad():
+            assert torch.allclose(y.value, st.runtime.module(ids), atol=1e-6)
+        with pytest.raises(BadRequest, match="ids must lie in \\[0, 257\\)"):  # inputs: no -100 allowed
+            await handlers.evaluate(call(stage=0, req="v2"), [torch.full((2, 16), IGNORE_INDEX)], ID["caller"])
     run(scenario())

@@ -151,6 +151,9 @@ class TrainerConfig:
     progress_every: float = 5.0
     # seconds a stage may have no server before the trainer gives up and exits with an error (0: wait forever)
     no_server_timeout: float = 600.0
+    # optimizer steps between validation losses over data.validation_samples (0: none); one more is taken
+    # when training ends. Each trainer with it set evaluates: set it on one.
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "keep_epochs"):
@@ -161,6 +164,7 @@ class TrainerConfig:
         require(self.ban_seconds >= 0, "trainer.ban_seconds", "must be >= 0")
         require(self.no_server_timeout >= 0, "trainer.no_server_timeout", "must be >= 0")
         require(self.index >= 0, "trainer.index", f"must be >= 0, got {self.index}")
+        require(self.eval_every >= 0, "trainer.eval_every", f"must be >= 0 (0: off), got {self.eval_every}")
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,24 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Where training text comes from. `path=None` uses the Python standard library's sources."""
+    """Where training text comes from and how it becomes tokens (see swarm.data). `path=None` uses the
+    Python standard library's sources; `tokenizer=None` trains on bytes (ids 0-255, padding 256)."""
 
-    path: str | None = None  # a text file, a .jsonl file (field `text`), or a directory of them
+    # a text file, a .jsonl, .parquet or .arrow file, a dataset saved with `datasets`' save_to_disk, or a
+    # directory of text, .jsonl, .parquet and .arrow files
+    path: str | None = None
+    text_field: str = "text"  # the field (column) holding the text in .jsonl, .parquet, .arrow and datasets
+    split: str = "train"  # the split taken from a DatasetDict saved to disk
+    # a local directory holding a Hugging Face tokenizer (tokenizer.json / tokenizer_config.json, as
+    # `save_pretrained` writes it); never fetched from the hub
+    tokenizer: str | None = None
+    # where tokenized samples are cached, keyed by a digest of the text, the tokenizer and model.seq_len
+    # (empty: $XDG_CACHE_HOME/swarm/tokens, else ~/.cache/swarm/tokens)
+    cache_dir: str = ""
     seed: int = 0
-    max_bytes: int = 32_000_000  # cap on the corpus read into memory
+    max_bytes: int = 32_000_000  # cap on the text read (before tokenizing)
+    # samples held out of training, the same on every trainer, for the validation loss (trainer.eval_every)
+    validation_samples: int = 0
     # trainers lease blocks of this many consecutive samples of a pass's order (see swarm.core.dataplan)
     block_samples: int = 1024
     # seconds a trainer's hold on its block lasts unless renewed: a trainer that died leaves its block to
@@ -84,6 +97,11 @@ class DataConfig:
         for name in ("max_bytes", "block_samples"):
             require(getattr(self, name) > 0, f"data.{name}", f"must be positive, got {getattr(self, name)}")
         require(self.lease_seconds >= 1.0, "data.lease_seconds", f"must be >= 1, got {self.lease_seconds}")
+        require(self.validation_samples >= 0, "data.validation_samples", f"must be >= 0, got {self.validation_samples}")
+        require(bool(self.text_field), "data.text_field", "must name the field holding the text")
+        require(bool(self.split), "data.split", "must name a split (e.g. train)")
+        require(self.tokenizer is None or bool(self.tokenizer), "data.tokenizer",
+                "must be a directory, or left out for bytes")
 
 
 @dataclass(frozen=True)
@@ -256,6 +274,11 @@ class SwarmConfig:
             self.server.stage < self.model.num_stages,
             "server.stage",
             f"must be below model.num_stages ({self.server.stage} >= {self.model.num_stages})",
+        )
+        require(
+            not self.trainer.eval_every or self.data.validation_samples > 0,
+            "trainer.eval_every",
+            "needs held-out samples to evaluate on: set data.validation_samples",
         )
         require(
             self.optim.target_batch_size >= self.trainer.microbatch_size,

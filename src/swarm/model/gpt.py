@@ -19,8 +19,7 @@ from torch import nn
 from swarm.config.schema import ModelConfig
 from swarm.core.partition import split_layers
 from swarm.model.spec import Boundary
-
-PAD_ID = 256  # byte values use 0..255; the one extra id pads short samples and is ignored by the loss
+from swarm.wire.validate import IGNORE_INDEX
 
 
 class CausalSelfAttention(nn.Module):
@@ -152,11 +151,12 @@ class GPTStage(nn.Module):
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.head(self.ln_f(hidden))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=PAD_ID)
+        # padded positions carry IGNORE_INDEX as their target: the model needs no pad id of its own
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] on the first stage, hidden [B, T, d] elsewhere; the last stage needs
-        targets [B, T] and returns the mean loss over non-padding targets."""
+        targets [B, T] and returns the mean loss over targets other than IGNORE_INDEX (padding)."""
         hidden = self._embed(inputs) if self.is_first else inputs
         if hasattr(self, "up"):
             hidden = self.up(hidden)

@@ -57,6 +57,8 @@ class StageHandler(Protocol):
 
     async def backward(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
+    async def evaluate(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
+
     async def state(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
     async def reduce(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
@@ -153,6 +155,10 @@ class StageServicer(ServicerBase):
 
     async def rpc_backward(self, requests: Requests, context: P2PContext) -> Responses:
         async for msg in self._serve(self.handler.backward, requests, context):
+            yield msg
+
+    async def rpc_evaluate(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.evaluate, requests, context):
             yield msg
 
     async def rpc_reduce(self, requests: Requests, context: P2PContext) -> Responses:

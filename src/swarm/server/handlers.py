@@ -5,7 +5,8 @@ from a compatible caller, not stale), checks its tensors, and runs the stage (th
 its loss and backward, accumulating the gradient, in the same call); `backward` runs the backward of a
 kept forward graph (or recomputes it) and accumulates the stage's parameter gradients, once per
 microbatch id (`StageRuntime.accumulates`); a repeat of a gradient call is answered from the reply
-cache. Accumulated gradients wait for the stage's step (`swarm.server.stepping`).
+cache. Accumulated gradients wait for the stage's step (`swarm.server.stepping`). `evaluate` (held-out
+samples, for the validation loss) is admitted and checked like `forward` but changes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from swarm.server.replies import Reply, ReplyCache
 from swarm.server.stage import ServedStage
 from swarm.wire.calls import LedgerQuery, StageCall, StageQuery
 from swarm.wire.validate import (
+    IGNORE_INDEX,
     BadRequest,
     TensorSpec,
     Unavailable,
@@ -129,7 +131,8 @@ class StageHandlers:
             raise BadRequest(f"the last stage takes (inputs, targets), got {len(tensors)} tensors")
         x, targets = tensors
         self._check_inputs(st, x)
-        check_tensor("targets", targets, TensorSpec(torch.int64, x.shape[1:2], self.model.vocab_size), limit)
+        spec = TensorSpec(torch.int64, x.shape[1:2], self.model.vocab_size, ignored=IGNORE_INDEX)
+        check_tensor("targets", targets, spec, limit)
         check_same_batch(("inputs", x), ("targets", targets))
         return x, targets
 
@@ -188,6 +191,18 @@ class StageHandlers:
             )
         await self._delay_reply(st, "backward")
         return self._remember_gradient_reply(st, key, {}, grad)
+
+    async def evaluate(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        """A forward for validation: admitted and checked as a forward is, but it keeps no graph and
+        leaves no gradient, ledger entry or receipt, and is not counted as work (the stage's figures stay
+        those of training). The last stage answers the loss, the others their outputs."""
+        call = StageCall.from_meta(meta)
+        st = self._admit(call, new_work=True)
+        x, targets = self._check_forward(st, tensors)
+        out = await self.gate.run(st.runtime.evaluate, x, targets, expires=Deadline.of(call))
+        if targets is None:
+            return {"epoch": st.runtime.epoch}, [Tagged("activations", out)]
+        return {"epoch": st.runtime.epoch, "loss": out}, []
 
     @staticmethod
     def _take_receipt(st: ServedStage, call: StageCall, key: str, samples: int) -> None:

@@ -172,6 +172,17 @@ class StageRuntime:
             grad = None if self.is_first else self._out("gradients", torch.autograd.grad(scaled, inputs)[0])
         return float(loss.detach()), grad
 
+    def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | float:
+        """A forward pass that leaves no trace (validation): no graph, gradient or ledger entry, dropout
+        off. The last stage returns its loss, the others their outputs."""
+        training = self.module.training
+        try:
+            with torch.no_grad(), self._autocast():
+                out = self.module.eval()(self._leaf(x), *([] if targets is None else [targets.to(self.device)]))
+        finally:
+            self.module.train(training)
+        return out.float().cpu() if targets is None else float(out)
+
     def live_graph(self, req_id: str) -> BatchGraph | None:
         """The kept graph of a request's forward, if it is still valid for the current weights."""
         graph = self.graphs.get(req_id)

@@ -71,7 +71,8 @@ class StageCaller:
         self.sign = sign  # receipts for accumulating calls (swarm.net.receipts); None: calls carry none
         self.bans = BanList(tc.ban_seconds, tc.ban_seconds * 8)
         self.round_robin = [SmoothWeightedRoundRobin() for _ in range(view.num_stages)]
-        self.latency = {(k, m): LatencyTracker() for k in range(view.num_stages) for m in ("forward", "backward")}
+        self.latency = {(k, m): LatencyTracker() for k in range(view.num_stages)
+                        for m in ("forward", "backward", "evaluate")}
         self.measured = [ServerLatencies() for _ in range(view.num_stages)]  # per server, to check announcements
         self.inflight: dict[str, int] = {}
         self._calls: dict[tuple[int, str], set[asyncio.Task]] = {}  # (stage, server) -> our calls waiting on it
@@ -230,6 +231,6 @@ class StageCaller:
 
 def _tagged(stage: int, method: str, tensors: list[torch.Tensor]) -> list[Tagged]:
     """What a stage call carries: the stage's input (token ids at the first stage, activations after),
-    then the targets (forward to the last stage) or the gradient of the stage's output (backward)."""
+    then the targets (forward or evaluate to the last stage) or the gradient of the stage's output (backward)."""
     roles = ("tokens" if stage == 0 else "activations", "gradients" if method == "backward" else "tokens")
     return [Tagged(role, t) for role, t in zip(roles, tensors, strict=False)]

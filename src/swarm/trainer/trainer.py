@@ -11,6 +11,8 @@ Each stage accumulates the microbatch's gradient (`swarm.server.handlers`), step
 to accumulate each gradient again until the stage's ledger shows it in a durable step
 (`swarm.trainer.delivery`). Several microbatches are in flight at once so one trainer keeps servers of
 every stage busy; microbatches whose forward failed before anything was accumulated are retried whole.
+With `trainer.eval_every`, held-out samples go through the stages' `evaluate` call, which changes
+nothing on the servers, for a validation loss (`swarm.trainer.evaluation`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import torch
 
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash
-from swarm.data import SampleTable, load_documents, split_inputs_targets
+from swarm.data import load_samples, split_inputs_targets
 from swarm.exiting import STOP_MARGIN, deadline
 from swarm.net.directory import short
 from swarm.net.lifeline import CutOff
@@ -36,6 +38,7 @@ from swarm.results import PeerResults
 from swarm.supervise import supervised
 from swarm.trainer.calls import MicrobatchFailed, StageCaller
 from swarm.trainer.delivery import GradientKeeper
+from swarm.trainer.evaluation import Validator
 from swarm.trainer.feed import BlockLost, DataFeed, Piece
 from swarm.trainer.progress import Completed, Progress
 from swarm.trainer.view import SwarmView
@@ -76,7 +79,7 @@ class Trainer:
         self.stop = stop or asyncio.Event()
         self.draining = False
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
-        table = SampleTable(load_documents(self.cfg.data), self.cfg.model.seq_len, self.cfg.data.seed)
+        self.table = table = load_samples(self.cfg.data, self.cfg.model)
         peer = await join(self.cfg.net, self.cfg.wire, self.traffic, serving=False)
         self.peer_id, self.directory = peer.peer_id, peer.directory
         self.feed = DataFeed(table, peer.directory, peer.peer_id, self.cfg.data, self.tc.microbatch_size, self.rng)
@@ -85,11 +88,13 @@ class Trainer:
                                   self.stop, peer.sign)
         self.keeper = GradientKeeper(self.tc, peer.client, self.caller, self.view, period, lambda: self.done,
                                      self.stop)
+        self.validator = Validator(table, self.caller, self.num_stages, self.tc.microbatch_size, self.tc.eval_every,
+                                   self.tc.max_inflight, self._step, period)
         try:
             self.progress.started = time.time()
-            log.info("trainer %s started: a corpus of %d samples, taken in blocks of %d shared through the DHT, "
-                     "target %d steps", short(self.peer_id), len(table), self.cfg.data.block_samples,
-                     self.tc.target_steps)
+            log.info("trainer %s started: a corpus of %d samples (%d more held out for validation), taken in "
+                     "blocks of %d shared through the DHT, target %d steps", short(self.peer_id), len(table),
+                     self.cfg.data.validation_samples, self.cfg.data.block_samples, self.tc.target_steps)
             await peer.guard(self._train(), self._watch_stages())
             log.info("trainer %s done: %d samples, %d microbatches failed, %d retries, %d gradients replayed",
                      short(self.peer_id), self.progress.samples(), self.failed, self.caller.retries,
@@ -110,16 +115,21 @@ class Trainer:
     async def _train(self) -> None:
         await self.view.refresh(self.directory)
         self._check_config()
-        background = [asyncio.create_task(supervised(name, loop)) for name, loop in (
-            ("view", self._refresh_loop), ("delivery", self.keeper.loop),
-            ("progress", lambda: self.progress.loop(short(self.peer_id))), ("lease", self.feed.loop))]
+        loops = {"view": self._refresh_loop, "delivery": self.keeper.loop,
+                 "progress": lambda: self.progress.loop(short(self.peer_id)), "lease": self.feed.loop}
+        if self.tc.eval_every:
+            loops["validation"] = self.validator.loop
+        background = {name: asyncio.create_task(supervised(name, loop)) for name, loop in loops.items()}
         try:
             await self._feed()
+            if self.tc.eval_every and not (self.stop.is_set() or self.draining):
+                background["validation"].cancel()  # an evaluation under way gives way to the final one
+                await self.validator.final()
             self.done = True
             await self._announce()
             self.unresolved = await self.keeper.settle()
         finally:
-            for task in background:
+            for task in background.values():
                 task.cancel()
         await self._announce()
 
@@ -155,9 +165,12 @@ class Trainer:
         if running:
             await asyncio.gather(*running)
 
+    def _step(self) -> int:
+        """The stages' step: the least epoch among them, as far as this trainer has seen them settle."""
+        return min(self.view.settled_epoch(k) for k in range(self.num_stages))
+
     def _finished(self) -> bool:
-        reached = min(self.view.settled_epoch(k) for k in range(self.num_stages)) >= self.tc.target_steps
-        return self.stop.is_set() or self.draining or reached
+        return self.stop.is_set() or self.draining or self._step() >= self.tc.target_steps
 
     def _drain(self) -> None:
         if not self.draining:
@@ -168,7 +181,7 @@ class Trainer:
         self.draining = True
 
     async def _microbatch(self, batch: torch.Tensor, piece: Piece) -> None:
-        inputs, targets = split_inputs_targets(batch)
+        inputs, targets = split_inputs_targets(batch, self.table.pad_id)
         req = f"{next(self._ids)}@{piece.label}"  # unique per trainer, and says which samples it carries
         last = self.num_stages - 1
         call, keep = self.caller.call, self.keeper.keep
@@ -236,8 +249,10 @@ class Trainer:
 
     async def _announce(self) -> None:
         """`done` tells servers that no new microbatch will come, so they may flush what they hold."""
-        p = self.progress
-        record = TrainerRecord(self.peer_id, p.samples(), self.failed, p.recent_loss(), self.done, p.recent_rate())
+        p, val = self.progress, self.validator.latest
+        validation = {} if val is None else {"val_loss": val.loss, "val_step": val.step}
+        record = TrainerRecord(self.peer_id, p.samples(), self.failed, p.recent_loss(), self.done, p.recent_rate(),
+                               **validation)
         await self.directory.announce_trainer(record, ttl=60.0 if self.done else None)
 
     def _write_summary(self) -> None:
@@ -257,5 +272,7 @@ class Trainer:
             "traffic": self.traffic.as_dict(),
             "fresh_starts": sorted(self.view.fresh_starts.values(), key=lambda f: f["time"]),
             "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.progress.completed],
-            "data": {"blocks_taken": self.feed.taken, "low_pass": self.feed.low_pass, "dropped": self.feed.dropped},
+            "data": {"blocks_taken": self.feed.taken, "low_pass": self.feed.low_pass, "dropped": self.feed.dropped,
+                     "table": self.table.name},
+            "validation": self.validator.summary(),
         })

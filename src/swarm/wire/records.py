@@ -106,6 +106,8 @@ class TrainerRecord(_Record):
     loss: float  # recent mean loss
     done: bool  # the trainer has stopped sending work and drained what it had in flight
     samples_per_second: float = 0.0  # completed over the last trainer.progress_every seconds (0 from old peers)
+    val_loss: float = math.nan  # its latest loss on the held-out samples (trainer.eval_every; NaN: none yet)
+    val_step: int = -1  # the stages' step when that validation loss was taken
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> TrainerRecord:

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The target id the loss skips (padding): torch's default `ignore_index` and Hugging Face's label convention,
+# so that any model's loss ignores it without being told a pad id.
+IGNORE_INDEX = -100
+
 
 class BadRequest(ValueError):
     """The request is malformed; the message is sent back to the caller, marked so it is not retried."""
@@ -28,6 +32,7 @@ class TensorSpec:
     dtype: torch.dtype
     sample_shape: tuple[int, ...]  # shape without the leading batch dimension
     max_value: int | None = None  # exclusive upper bound for integer ids (vocabulary size)
+    ignored: int | None = None  # an id allowed besides [0, max_value): IGNORE_INDEX for targets
 
     def describe(self) -> str:
         return f"{self.dtype} [B, {', '.join(map(str, self.sample_shape))}]"
@@ -46,8 +51,11 @@ def check_tensor(name: str, tensor: torch.Tensor, spec: TensorSpec, max_batch: i
             raise BadRequest(f"{name}: contains NaN or Inf")
         if max_abs and tensor.numel() and (largest := float(tensor.abs().max())) > max_abs:
             raise BadRequest(f"{name}: a value of magnitude {largest:.3g} exceeds the bound of {max_abs:.3g}")
-    elif spec.max_value is not None and tensor.numel() and (tensor.min() < 0 or tensor.max() >= spec.max_value):
-        raise BadRequest(f"{name}: ids must lie in [0, {spec.max_value})")
+    elif spec.max_value is not None and tensor.numel():
+        ids = tensor if spec.ignored is None else tensor[tensor != spec.ignored]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= spec.max_value):
+            also = "" if spec.ignored is None else f" or be {spec.ignored}"
+            raise BadRequest(f"{name}: ids must lie in [0, {spec.max_value}){also}")
 
 
 def check_same_batch(*named: tuple[str, torch.Tensor]) -> int:
