@@ -24,6 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
+from swarm.config import OptimConfig
+
 
 class NesterovCorrection(torch.optim.Optimizer):
     def __init__(self, params: Iterable[torch.nn.Parameter], lr: float, momentum: float = 0.99,
@@ -66,3 +68,12 @@ class NesterovCorrection(torch.optim.Optimizer):
         state["square"].mul_(beta).addcmul_(grad, grad, value=1 - beta)
         mean_square = state["square"] / (1 - beta ** float(state["step"]))
         return grad / (mean_square.sqrt() + eps)
+
+
+def stage_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer `optim.optimizer` names: AdamW, or this module's weight correction (async mode)."""
+    if optim.optimizer == "nag":
+        rms_beta = optim.betas[1] if optim.nag_normalize else None
+        return NesterovCorrection(params, lr=optim.base_lr, momentum=optim.nag_momentum,
+                                  weight_decay=optim.weight_decay, rms_beta=rms_beta)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)

@@ -39,11 +39,11 @@ from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound
 from swarm.server.gradvec import gradient_vector
-from swarm.server.nag import NesterovCorrection
+from swarm.server.nag import NesterovCorrection, stage_optimizer
 from swarm.server.records import BatchGraph, StepRecord
 from swarm.server.stash import KeptWeights
 from swarm.server.state_io import Lender, digest, export_state, import_state
-from swarm.wire.codecs import Packed, Policy
+from swarm.wire.codecs import Policy, on_host
 
 LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
 
@@ -59,7 +59,7 @@ class StageRuntime:
         wire: Policy | None = None,
     ):
         self.device = torch.device(device)
-        self.wire = wire  # how results leave (see `_out`); None: as float tensors on the host
+        self.wire = wire  # the codecs results leave the compute thread packed with (see `on_host`)
         self.module = module.to(self.device)
         self.is_first = bool(getattr(module, "is_first", False))
         self.is_last = bool(getattr(module, "is_last", False))
@@ -67,13 +67,7 @@ class StageRuntime:
         self.asynchronous = optim.mode == "async"
         self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        rms_beta = optim.betas[1] if optim.nag_normalize else None
-        self.optimizer = (
-            NesterovCorrection(self.params, lr=optim.base_lr, momentum=optim.nag_momentum,
-                               weight_decay=optim.weight_decay, rms_beta=rms_beta)
-            if optim.optimizer == "nag"
-            else torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-        )
+        self.optimizer = stage_optimizer(self.params, optim)
         self.autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
         self.graph_ttl = graph_ttl
         self.epoch = 0
@@ -117,15 +111,6 @@ class StageRuntime:
         return contextlib.nullcontext() if self.autocast_dtype is None else torch.autocast(
             self.device.type, dtype=self.autocast_dtype)
 
-    def _out(self, role: str, tensor: torch.Tensor) -> torch.Tensor | Packed:
-        """A result as it leaves the compute thread. Packed here by its wire codec, where it lies: on a GPU
-        it is quantized before the copy to the host (a quarter of the bytes cross the bus with 8-bit
-        codecs), and the event loop, which also renews the server's DHT records, does no codec work."""
-        if self.wire is None:
-            return tensor.detach().float().cpu()
-        packed = self.wire.pack(role, tensor.detach().float())
-        return Packed(packed.meta, [part.cpu() for part in packed.parts])
-
     def _leaf(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device)
         return x if self.is_first else x.detach().float().requires_grad_(True)
@@ -148,7 +133,7 @@ class StageRuntime:
         for req_id, x in requests:
             graph.rows[req_id] = rows = slice(start, start + x.shape[0])
             self.graphs[req_id] = graph
-            results.append(self._out("activations", outputs[rows]))
+            results.append(on_host(self.wire, "activations", outputs[rows]))
             start = rows.stop
         return results
 
@@ -167,9 +152,9 @@ class StageRuntime:
             scaled.backward()
             self._hold(req_id, x.shape[0], self.version)
             self._local_update(x.shape[0])
-            grad = None if self.is_first else self._out("gradients", inputs.grad)
+            grad = None if self.is_first else on_host(self.wire, "gradients", inputs.grad)
         else:
-            grad = None if self.is_first else self._out("gradients", torch.autograd.grad(scaled, inputs)[0])
+            grad = None if self.is_first else on_host(self.wire, "gradients", torch.autograd.grad(scaled, inputs)[0])
         return float(loss.detach()), grad
 
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | float:
@@ -181,7 +166,7 @@ class StageRuntime:
                 out = self.module.eval()(self._leaf(x), *([] if targets is None else [targets.to(self.device)]))
         finally:
             self.module.train(training)
-        return out.float().cpu() if targets is None else float(out)
+        return on_host(self.wire, "activations", out) if targets is None else float(out)
 
     def live_graph(self, req_id: str) -> BatchGraph | None:
         """The kept graph of a request's forward, if it is still valid for the current weights."""
@@ -215,7 +200,7 @@ class StageRuntime:
         self.recomputed_backwards += 1
         self._hold(req_id, x.shape[0], self.version)
         self._local_update(x.shape[0])
-        return None if self.is_first else self._out("gradients", inputs.grad)
+        return None if self.is_first else on_host(self.wire, "gradients", inputs.grad)
 
     def _input_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
         """d(loss)/d(inputs) alone, leaving parameter gradients untouched (stage 0 has none to give)."""
@@ -225,7 +210,7 @@ class StageRuntime:
         with self._autocast():
             outputs = self.module(inputs)
         grad = torch.autograd.grad(outputs, inputs, grad_out.to(self.device).to(outputs.dtype))[0]
-        return self._out("gradients", grad)
+        return on_host(self.wire, "gradients", grad)
 
     def backward_batch(
         self, graph: BatchGraph, grads: dict[str, torch.Tensor]
@@ -251,7 +236,7 @@ class StageRuntime:
                 rows = graph.rows[r]
                 samples += rows.stop - rows.start
                 self._hold(r, rows.stop - rows.start, graph.version)
-                results[r] = None if self.is_first else self._out("gradients", graph.inputs.grad[rows])
+                results[r] = None if self.is_first else on_host(self.wire, "gradients", graph.inputs.grad[rows])
             if graph.stash is not None:  # the gradient at the stashed weights, applied to the live ones
                 for p, name in zip(self.params, self.param_names, strict=True):
                     p.grad = graph.stash[name].grad

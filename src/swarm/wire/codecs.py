@@ -92,6 +92,17 @@ def encode(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> Pack
     return Packed({**meta, "block": block}, [codes.view(-1)[: flat.numel()], scales])
 
 
+def on_host(policy: Policy | None, role: str, tensor: torch.Tensor) -> torch.Tensor | Packed:
+    """A server's result as it leaves the compute thread: packed by its role's codec where it lies, then
+    copied to the host. On a GPU it is thus quantized before the copy (a quarter of the bytes cross the
+    bus with 8-bit codecs), and the event loop, which also renews the server's DHT records, does no codec
+    work. Without a policy: the float tensor on the host."""
+    if policy is None:
+        return tensor.detach().float().cpu()
+    packed = policy.pack(role, tensor.detach().float())
+    return Packed(packed.meta, [part.cpu() for part in packed.parts])
+
+
 def decode(packed: Packed) -> torch.Tensor:
     meta, parts = packed.meta, packed.parts
     codec = meta.get("codec")
