@@ -20,6 +20,9 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
 - kill: the same four, one stage-1 peer SIGKILLed at the start of the third timed step. How torch's run
   ends is reported as its survivors saw it; the swarm's throughput from the kill to its end is compared
   with a fault-free swarm of the servers that survive (2 + 1), run right after.
+- gpu (where torch sees a CUDA device; skipped with a line saying so elsewhere): the fault-free model in
+  one process on the GPU, and the local swarm with every server on that GPU (bf16 autocast and TF32,
+  the servers' GPU defaults). Reference: the single process.
 
 Achieved GFLOP/s counts the model's training FLOPs per sample (matmuls and attention, forward and
 backward: 3x the forward) times samples/s; the single process's figure is the machine's limit.
@@ -34,6 +37,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from swarm.config import ModelConfig, load_config
 from swarm.ops.local import LocalSwarm
@@ -93,6 +98,16 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
     return result
 
 
+def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | None:
+    """The fault-free model on one GPU: the single process, and the swarm's servers all on that GPU
+    (each with the servers' GPU defaults). None where torch sees no CUDA device."""
+    if not torch.cuda.is_available():
+        return None
+    cfg = load_config(overrides=overrides)
+    return {"single": {"samples_per_second": baseline(cfg, steps, "cuda")},
+            "swarm": swarm_run([*overrides, 'server.device="cuda"'], steps, run_dir)}
+
+
 def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     cfg = load_config(overrides=overrides)
     results = {"single": {"samples_per_second": baseline(cfg, steps)}}
@@ -121,7 +136,7 @@ def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
 
 
 SCENARIOS = {"fault-free": (fault_free, "1f1b"), "straggler": (straggler, "1f1b 2x2"),
-             "kill": (kill, "swarm 2+1")}
+             "kill": (kill, "swarm 2+1"), "gpu": (gpu, "single")}
 
 
 def report(scenario: str, results: dict[str, dict], single: float | None, flops: float) -> None:
@@ -168,6 +183,9 @@ def main() -> None:
     for _ in range(args.repeat):
         for name in names:
             results = SCENARIOS[name][0](overrides, args.steps, args.run_dir)
+            if results is None:
+                print(f"\n{name}: skipped, torch sees no CUDA device on this machine")
+                continue
             single = results.get("single", {}).get("samples_per_second", single)
             report(name, results, single, flops)
             for run, r in results.items():

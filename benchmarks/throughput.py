@@ -26,6 +26,7 @@ from swarm.data import load_samples, split_inputs_targets
 from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import encode
 from swarm.ops.run import run_local
+from swarm.server.device import autocast_dtype, prepare
 
 COMPUTE_BOUND = [
     "model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "model.seq_len=256",
@@ -35,26 +36,36 @@ COMPUTE_BOUND = [
 ]
 
 
-def baseline(cfg, steps: int) -> float:
-    """Samples/s of ordinary training: one process, all cores, same model, microbatch and step size."""
+def baseline(cfg, steps: int, device: str = "cpu") -> float:
+    """Samples/s of ordinary training: one process, all cores (or one GPU, with the servers' GPU defaults:
+    bf16 autocast and TF32), same model, microbatch and step size."""
     torch.set_num_threads(torch.get_num_threads())
-    model = ComposedModel(load_stages(cfg.model))
+    dev = torch.device(device)
+    prepare(dev)
+    model = ComposedModel(load_stages(cfg.model)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
     table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.trainer.microbatch_size)
     per_step = cfg.optim.target_batch_size // cfg.trainer.microbatch_size
+    dtype = autocast_dtype(cfg.server.autocast, dev)
 
     def step() -> None:
         for _ in range(per_step):
-            inputs, targets = split_inputs_targets(next(batches), table.pad_id)
-            (model(inputs, targets) * inputs.shape[0] / cfg.optim.target_batch_size).backward()
+            inputs, targets = (t.to(dev) for t in split_inputs_targets(next(batches), table.pad_id))
+            with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+                loss = model(inputs, targets)
+            (loss * inputs.shape[0] / cfg.optim.target_batch_size).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     step()  # warm-up
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     start = time.perf_counter()
     for _ in range(steps):
         step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
     return steps * per_step * cfg.trainer.microbatch_size / (time.perf_counter() - start)
 
 

@@ -87,6 +87,8 @@ def test_to_toml_round_trips_awkward_strings(tmp_path):
         (["trainer.progress_every=0"], "trainer.progress_every"),
         (["server.merge_samples=-1"], "server.merge_samples"),
         (['server.device="tpu"'], "server.device"),
+        (['server.autocast="fp16"'], "server.autocast: fp16 needs a loss scale"),
+        (['server.autocast="fp8"'], "server.autocast"),
         (["server.slowdown=0.5"], "server.slowdown"),
         (["rebalance.min_gain=0.9"], "rebalance.min_gain"),
         (["local.link_mbit=200"], "local.link_mbit"),

@@ -17,7 +17,9 @@ class ServerConfig:
     auto_stage: bool = False
     name: str = ""  # a label for this server in logs and in the DHT (e.g. the machine's name)
     device: str = "cpu"  # cpu, cuda, cuda:N
-    autocast: str = "none"  # none, bf16, fp16
+    # auto: bf16 on a CUDA device that has it, none on a CPU. fp16 is refused: its gradients need a loss
+    # scale carried through every stage (a grad scaler), which a pipeline of independent servers lacks
+    autocast: str = "auto"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     max_request_samples: int = 64  # larger requests are refused
     # Forward requests that queue up are merged into one batch of up to this many samples (0: never).
@@ -63,7 +65,10 @@ class ServerConfig:
             "server.device",
             f"must be cpu, cuda or cuda:N, got {self.device!r}",
         )
-        require(self.autocast in ("none", "bf16", "fp16"), "server.autocast", "must be none, bf16 or fp16")
+        require(self.autocast != "fp16", "server.autocast",
+                "fp16 needs a loss scale carried through every stage (a grad scaler), which the swarm does not "
+                "have: use bf16, which needs none")
+        require(self.autocast in ("auto", "none", "bf16"), "server.autocast", "must be auto, none or bf16")
         require(self.threads >= 0, "server.threads", "must be >= 0")
         require(self.max_request_samples > 0, "server.max_request_samples", "must be positive")
         require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")

@@ -38,6 +38,7 @@ from swarm.config import OptimConfig
 from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound
+from swarm.server.device import autocast_dtype, prepare
 from swarm.server.gradvec import gradient_vector
 from swarm.server.nag import NesterovCorrection, stage_optimizer
 from swarm.server.records import BatchGraph, StepRecord
@@ -54,11 +55,12 @@ class StageRuntime:
         module: torch.nn.Module,
         optim: OptimConfig,
         device: str = "cpu",
-        autocast: str = "none",
+        autocast: str = "auto",
         graph_ttl: float = 120.0,
         wire: Policy | None = None,
     ):
         self.device = torch.device(device)
+        prepare(self.device)
         self.wire = wire  # the codecs results leave the compute thread packed with (see `on_host`)
         self.module = module.to(self.device)
         self.is_first = bool(getattr(module, "is_first", False))
@@ -68,7 +70,7 @@ class StageRuntime:
         self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = stage_optimizer(self.params, optim)
-        self.autocast_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[autocast]
+        self.autocast_dtype = autocast_dtype(autocast, self.device)
         self.graph_ttl = graph_ttl
         self.epoch = 0
         self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
