@@ -9,8 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from swarm.config import (
     ConfigError,
@@ -22,9 +33,10 @@ from swarm.config import (
     replace,
 )
 from swarm.config.hf import HF_SPEC
-from swarm.model import ComposedModel, build_stage
+from swarm.config.loader import load_config
+from swarm.model import ComposedModel, build_stage, load_stages
 from swarm.model.hf import build_stages
-from swarm.ops.export import StageState, from_checkpoints, write_hf
+from swarm.ops.export import ExportError, StageState, export_model, write_hf, write_plain
 from swarm.server.checkpoints import CheckpointStore
 
 SEQ = 16
@@ -226,14 +238,21 @@ def test_export_from_checkpoints_loads_in_transformers(tmp_path: Path, make, num
         state = stage.state_dict()
         CheckpointStore(tmp_path / "ckpt" / f"server{k}", k, 2).save(
             {"epoch": 7 + k, "names": list(state)}, list(state.values()))
-    out = tmp_path / "out"
-    write_hf(cfg, from_checkpoints([tmp_path / "ckpt"], num_stages), out)
-    exported = AutoModelForCausalLM.from_pretrained(out).eval()
-    tied = cfg.model.hf_tie_embeddings and num_stages == 1
-    assert exported.config.tie_word_embeddings is tied
+    report = export_model(cfg, [str(tmp_path / "ckpt")], tmp_path / "out", str(tiny_tokenizer(tmp_path / "tok")))
+    assert f"stage {num_stages - 1}: epoch {6 + num_stages} from {tmp_path / 'ckpt'}" in report
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert exported.config.tie_word_embeddings is (cfg.model.hf_tie_embeddings and num_stages == 1)
     inputs, _ = batch()
     with torch.no_grad():
         assert torch.allclose(exported(input_ids=inputs).logits, chained_logits(stages, inputs), atol=1e-5, rtol=0)
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").encode("b a") == [1, 0]
+
+
+def tiny_tokenizer(directory: Path) -> Path:
+    tokenizer = Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
+    return directory
 
 
 def chained_logits(stages: list, inputs: torch.Tensor) -> torch.Tensor:
@@ -250,3 +269,31 @@ def test_export_refuses_states_of_another_model(tmp_path: Path) -> None:
     states = {0: StageState(1, "here", first.state_dict()), 1: StageState(1, "here", {})}
     with pytest.raises(ValueError, match="do not make up the configured model: lm_head.weight"):
         write_hf(cfg, states, tmp_path / "out")
+
+
+def test_export_names_what_is_missing(tmp_path: Path) -> None:
+    cfg = SwarmConfig()
+    with pytest.raises(ExportError, match="give checkpoint or run directories"):
+        export_model(cfg, [], tmp_path / "out")
+    stage = build_stage(cfg.model, 0)
+    CheckpointStore(tmp_path, 0, 1).save({"epoch": 3, "names": list(stage.state_dict())},
+                                         list(stage.state_dict().values()))
+    with pytest.raises(ExportError, match=f"no checkpoint of stage.s. 1, 2 under {tmp_path}"):
+        export_model(cfg, [str(tmp_path)], tmp_path / "out")
+
+
+def test_the_built_in_gpt_exports_as_its_composed_stages(tmp_path: Path) -> None:
+    cfg = SwarmConfig(model=ModelConfig(d_model=32, n_heads=2, d_ff=64, n_layers=2, seq_len=SEQ, num_stages=2))
+    stages = load_stages(cfg.model)
+    with torch.no_grad():  # stand-in for training: weights other than the initial ones
+        for param in ComposedModel(stages).parameters():
+            param.mul_(1.1)
+    states = {k: StageState(1, "here", s.state_dict()) for k, s in enumerate(stages)}
+    write_plain(cfg, states, tmp_path)
+    rebuilt = load_config(tmp_path / "swarm.toml")
+    assert rebuilt == cfg
+    model = ComposedModel(load_stages(rebuilt.model))
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    inputs, targets = batch()
+    targets[targets < 0] = 0
+    assert torch.equal(model(inputs, targets), ComposedModel(stages)(inputs, targets))
