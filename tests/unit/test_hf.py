@@ -184,10 +184,12 @@ def test_bad_directories_and_families_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model.hf_config: .* holds no config.json"):
         hf_cfg(tmp_path / "nowhere")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
-    with pytest.raises(ConfigError, match="'mamba' model; the adapter builds llama, gpt2"):
+    with pytest.raises(ConfigError, match="model_type 'mamba'; the adapter builds llama, gpt2"):
         hf_cfg(tmp_path)
     with pytest.raises(ConfigError, match="model.hf_family: unknown family 'bert'"):
         ModelConfig(spec=HF_SPEC, hf_family="bert")
+    with pytest.raises(ConfigError, match="model.hf_activation: transformers knows no activation 'swish-ish'"):
+        ModelConfig(spec=HF_SPEC, hf_family="llama", hf_activation="swish-ish")
     with pytest.raises(ConfigError, match="model.hf_weights: pretrained weights need a Hugging Face model"):
         ModelConfig(hf_weights=str(tmp_path))
     tiny_llama(tmp_path / "model")

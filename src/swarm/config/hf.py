@@ -80,7 +80,7 @@ def _read_dir(directory: str) -> PretrainedConfig:
     except (OSError, ValueError, AttributeError) as e:
         raise ConfigError(f"model.hf_config: cannot read {path}: {e}") from e
     require(model_type in FAMILIES, "model.hf_config",
-            f"{path} is a {model_type!r} model; the adapter builds {', '.join(FAMILIES)}")
+            f"{path} has model_type {model_type!r}; the adapter builds {', '.join(FAMILIES)}")
     import transformers
 
     return getattr(transformers, FAMILIES[model_type].config_class).from_pretrained(directory)
@@ -154,7 +154,12 @@ def check_hf(model: ModelConfig) -> None:
             f"{kv} key/value heads do not fit {model.n_heads} heads ({model.hf_family})")
     require(model.seq_len <= (model.hf_max_positions or model.seq_len), "model.seq_len",
             f"{model.seq_len} exceeds the model's {model.hf_max_positions} positions (model.hf_max_positions)")
-    require(model.hf_norm_eps > 0 and model.hf_rope_theta > 0, "model.hf_norm_eps",
-            "model.hf_norm_eps and model.hf_rope_theta must be positive")
+    require(model.hf_norm_eps > 0, "model.hf_norm_eps", f"must be positive, got {model.hf_norm_eps}")
+    require(model.hf_rope_theta > 0, "model.hf_rope_theta", f"must be positive, got {model.hf_rope_theta}")
+    if model.hf_activation:
+        from transformers.activations import ACT2FN
+
+        require(model.hf_activation in ACT2FN, "model.hf_activation",
+                f"transformers knows no activation {model.hf_activation!r}; e.g. {', '.join(sorted(ACT2FN)[:8])}")
     require(not model.bottleneck and not model.share_weights, "model.bottleneck",
             "model.bottleneck and model.share_weights are the built-in GPT's; a Hugging Face model keeps its layers")

@@ -99,7 +99,8 @@ async def _download(cfg: SwarmConfig) -> dict[int, StageState]:
                     states[stage] = _stage_state(meta, tensors, source=f"peer {short(record.peer_id)}")
                     break
             else:
-                raise ExportError(f"no replica of stage {stage} served a state its stage vouches for")
+                raise ExportError(f"no replica of stage {stage} served its state (each call failed, or the state "
+                                  "was not the one the stage's replicas announce)")
         return states
     finally:
         peer.leave()
