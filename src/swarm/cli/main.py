@@ -74,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("sources", nargs="+", metavar="PEER_RUN_DIR", help="each peer's --run-dir (copied from its host)")
     p.add_argument("--run-dir", required=True, help="where summary.json and the plots go")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p = sub.add_parser("export", help="gather every stage's newest weights into one model (a Hugging Face model "
+                                      "directory for model.spec swarm.model.hf:build_stages)")
+    _joining(p)
+    p.add_argument("sources", nargs="*", metavar="DIR",
+                   help="checkpoint directories (servers' --resume DIR) or run directories holding them; none: "
+                        "download from the live swarm at --initial-peers")
+    p.add_argument("--out", required=True, help="the directory to write the model to")
+    p.add_argument("--tokenizer", metavar="DIR", help="copy this tokenizer's files into the model directory")
     p = sub.add_parser("fault", help="inject a fault into a running local swarm (see `swarm local`)")
     p.add_argument("action", choices=ACTIONS)
     p.add_argument("peer", help="the peer's name, as in RUN_DIR/peers.json (e.g. server-s1-3, trainer-0)")
@@ -213,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             from swarm.backup.role import run_backup_peer
 
             run_backup_peer(cfg)
+        elif args.command == "export":
+            from swarm.ops.export import export_model
+
+            print(export_model(cfg, args.sources, args.out, args.tokenizer))
         elif args.command == "trainer":
             from swarm.trainer.trainer import Trainer
 
@@ -236,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm: could not join the swarm: {e}", file=sys.stderr)
         return 4
     except (ValueError, OSError) as e:  # a fault the CLI could not inject, results it could not find
-        if args.command not in ("fault", "report"):
+        if args.command not in ("fault", "report", "export"):
             raise
         print(f"swarm {args.command}: {e}", file=sys.stderr)
         return 2

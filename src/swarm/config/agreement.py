@@ -8,6 +8,7 @@ import hashlib
 import json
 from typing import Any
 
+from swarm.config.hf import math_settings
 from swarm.config.schema import ModelConfig, SwarmConfig
 from swarm.wire import PROTOCOL_VERSION
 
@@ -18,8 +19,18 @@ def _plain(section: Any) -> dict[str, Any]:
 
 
 def model_fingerprint(model: ModelConfig) -> dict[str, Any]:
-    """The model fields as plain JSON types: what peers exchange to find what differs."""
-    return _plain(model)
+    """The model fields as plain JSON types: what peers exchange to find what differs.
+
+    A Hugging Face model is compared by every setting of its transformers config that changes what it
+    computes (`hf`, named as transformers names them), whichever way each peer configured it (config.json
+    or fields), rather than by the `hf_*` fields. Directories are not compared (machines keep files in
+    different places), but whether the weights start pretrained is: the replicas of a stage reconcile
+    differing weights at their first step by majority, and random weights must never win over a
+    checkpoint that way."""
+    fields = {k: v for k, v in _plain(model).items() if not k.startswith("hf_")}
+    if not model.hf_family:
+        return fields
+    return {**fields, "hf": math_settings(model), "hf_pretrained": bool(model.hf_weights)}
 
 
 def agreed(cfg: SwarmConfig) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from swarm.config.checks import ConfigError, ConfigMismatch, require
+from swarm.config.hf import HF_SPEC, check_hf, settings_from_dir
 from swarm.config.roles import BackupConfig, LocalSwarmConfig, RebalanceConfig, ServerConfig, TrainerConfig
 from swarm.wire.codecs import CODECS, DEFAULT_BLOCK, MAX_BLOCK, Policy
 
@@ -47,8 +48,26 @@ class ModelConfig:
     bottleneck: int = 0
     dropout: float = 0.0
     init_seed: int = 0  # every replica of a stage builds identical initial weights from it
+    # Hugging Face transformers models (spec "swarm.model.hf:build_stages"; see swarm.config.hf and
+    # swarm.model.hf). hf_config: a directory holding config.json, read into the fields below and into
+    # vocab_size, d_model, n_heads, d_ff and n_layers when the config is loaded
+    hf_config: str = ""
+    # pretrained weights: a directory as from_pretrained reads it (model.safetensors, or shards listed in
+    # model.safetensors.index.json); each server reads its own stage's tensors only. Empty: random weights
+    hf_weights: str = ""
+    hf_family: str = ""  # llama or gpt2
+    hf_kv_heads: int = 0  # key/value heads (grouped-query attention; llama); 0: n_heads
+    hf_max_positions: int = 0  # positions the model has (GPT-2's table, llama's rotary range); 0: seq_len
+    hf_rope_theta: float = 10000.0  # rotary embedding base (llama)
+    hf_norm_eps: float = 1e-5  # epsilon of the RMSNorm (llama) or LayerNorm (gpt2)
+    hf_activation: str = ""  # the MLP's activation, by transformers' name; empty: the family's (silu, gelu_new)
+    # the lm_head starts as the token embedding (tie_word_embeddings); the two then train as separate copies
+    # when they are on different stages (see swarm.model.hf)
+    hf_tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        if self.hf_config:
+            self._read_hf_config()
         for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_layers", "seq_len", "num_stages"):
             require(getattr(self, name) > 0, f"model.{name}", f"must be positive, got {getattr(self, name)}")
         require(":" in self.spec, "model.spec", f"must look like 'package.module:function', got {self.spec!r}")
@@ -65,6 +84,20 @@ class ModelConfig:
         require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
         require(0 <= self.bottleneck < self.d_model, "model.bottleneck",
                  f"must be in [0, model.d_model={self.d_model}), got {self.bottleneck}")
+        require(not self.hf_weights or self.hf_family, "model.hf_weights",
+                "pretrained weights need a Hugging Face model (model.hf_config or model.hf_family)")
+        if self.hf_family or self.spec == HF_SPEC:
+            check_hf(self)
+
+    def _read_hf_config(self) -> None:
+        """Fill the fields config.json sets; one given explicitly too (not at its default) must agree."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, read in settings_from_dir(self.hf_config).items():
+            value, given = type(defaults[name])(read), getattr(self, name)
+            if given != defaults[name] and given != value:
+                raise ConfigError(f"model.{name}: {given!r} given, but {self.hf_config}/config.json says {value!r}; "
+                                  f"leave model.{name} out when model.hf_config is set")
+            object.__setattr__(self, name, value)  # frozen: the dataclass is being built
 
 
 @dataclass(frozen=True)
