@@ -16,6 +16,10 @@ from swarm.exiting import STOP_MARGIN, exit_now, on_stop_signals
 from swarm.net.lifeline import CutOff, guard
 from swarm.ops.faults import ACTIONS, FaultInjector
 
+# optional packages, by the extra of the `swarm-parallel` distribution that installs them
+EXTRAS = {"transformers": "hf", "tokenizers": "hf", "safetensors": "hf", "datasets": "hf",
+          "prometheus_client": "monitor", "tensorboard": "monitor", "matplotlib": "plots"}
+
 
 def _joining(p: argparse.ArgumentParser) -> None:
     """What every command that joins a swarm takes: its config and where to find it."""
@@ -236,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigMismatch as e:
         print(f"swarm: refused to join: {e}", file=sys.stderr)
         return 3
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"swarm {args.command}: this needs {e.name}, which comes with the '{extra}' extra: "
+              f"pip install 'swarm-parallel[{extra}]'", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"swarm: bad configuration: {e}", file=sys.stderr)
         return 2
