@@ -51,5 +51,7 @@ def test_a_swarm_on_a_tokenized_dataset_reports_its_validation_loss(tmp_path):
     assert [(round(v["loss"], 4), v["step"]) for v in trainer["validation"]] == logged
     assert all(v["samples"] == 12 and v["tokens"] > 12 * 16 for v in trainer["validation"])
     assert set(announced) <= {(v["loss"], v["step"]) for v in trainer["validation"]} and announced
+    reported = [(v["step"], v["loss"]) for v in summary["validation"]]  # the run's summary.json
+    assert reported == [(v["step"], v["loss"]) for v in trainer["validation"]]
     # evaluations are never accumulated: every stepped microbatch is a completed training one, once
     assert_exactly_once(summary)

@@ -113,6 +113,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "steady_samples_per_second": _steady_rate(completed),
         "first_loss": _mean([c[2] for c in completed[:20]]),
         "final_loss": _mean([c[2] for c in completed[-20:]]),
+        # held-out losses of the trainers that evaluate (trainer.eval_every), in the order they were taken
+        "validation": sorted(({"time": v["time"], "step": v["step"], "loss": v["loss"], "samples": v["samples"]}
+                              for t in trainers for v in t.get("validation", [])), key=lambda v: v["time"]),
         "stages": {str(k): v for k, v in sorted(stages.items())},
         "wire": wire_summary(peers, samples),
         "staleness": staleness_summary(servers),
