@@ -151,6 +151,9 @@ class TrainerConfig:
     progress_every: float = 5.0
     # seconds a stage may have no server before the trainer gives up and exits with an error (0: wait forever)
     no_server_timeout: float = 600.0
+    # a directory the trainer logs its loss, samples/s and validation loss (when it has one) to, for
+    # TensorBoard, in a subdirectory per trainer (trainer-INDEX); empty: off. Needs the `monitor` extra.
+    tensorboard_dir: str = ""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "keep_epochs"):
