@@ -83,9 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("monitor", help="serve a live web page (and JSON) of the swarm: servers, throughput, "
                                        "loss, epochs, moves")
     _joining(p, listening=False)
-    p.add_argument("--host", dest="http_host", default="127.0.0.1",
+    p.add_argument("--host", dest="http_host", default="127.0.0.1", metavar="HOST",
                    help="address the page is served on (default 127.0.0.1; 0.0.0.0: all interfaces)")
-    p.add_argument("--port", dest="http_port", type=int, default=8000, help="the page's TCP port (default 8000)")
+    p.add_argument("--port", dest="http_port", type=int, default=8000, metavar="PORT",
+                   help="the page's TCP port (default 8000; 0: any free one, printed)")
     p.add_argument("--every", type=float, default=2.0, metavar="SECONDS",
                    help="read the swarm from the DHT every SECONDS (default 2); the page follows at that pace")
     p = sub.add_parser("report", help="gather peers' results from their run directories into one report")
