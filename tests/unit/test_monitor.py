@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -62,6 +63,18 @@ def test_trainers_show_every_field_of_their_record_and_no_loss_before_they_have_
     assert set(row) >= {"peer_id", "completed", "failed", "loss", "done", "samples_per_second"}
     assert data["series"]["trainer_loss"] == {"…tttttt": [[T0 + 1, 2.25]]}  # the NaN left no point
     assert data["series"]["trainer_samples_per_second"] == {"…tttttt": [[T0, 20.0], [T0 + 1, 20.0]]}
+
+
+def test_a_figure_trainers_add_to_their_record_is_shown_and_charted() -> None:
+    """A validation loss, for one: the page shows a column and a dashed line for `val_loss` once trainers
+    announce it."""
+    validating = dataclasses.make_dataclass("ValidatingRecord", [("val_loss", "float", math.nan)],
+                                            bases=(TrainerRecord,), frozen=True)
+    history = History("demo", every=1.0)
+    history.add(SwarmStatus({0: []}, [validating(**dataclasses.asdict(trainer("tttttt")), val_loss=2.75)], T0))
+    data = served(history)
+    assert data["trainers"][0]["val_loss"] == 2.75
+    assert data["series"]["trainer_val_loss"] == {"…tttttt": [[T0, 2.75]]}
 
 
 def test_moves_seen_between_snapshots_or_told_by_the_record_are_listed_once() -> None:
