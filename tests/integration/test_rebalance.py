@@ -30,8 +30,11 @@ class LayoutWatch:
 
     def __init__(self) -> None:
         self.history: list[tuple[float, dict[int, list[str]], int]] = []  # (time, members, min epoch)
+        self.came_from: dict[str, int] = {}  # server name -> the stage it announced it moved from
 
     def __call__(self, status: SwarmStatus) -> None:
+        self.came_from |= {r.name: r.previous_stage for rs in status.servers.values() for r in rs
+                           if r.previous_stage >= 0}
         members = {k: list(v) for k, v in status.members.items()}
         if not self.history or self.history[-1][1] != members:
             self.history.append((time.monotonic(), members, status.min_epoch))
@@ -84,6 +87,7 @@ def test_a_starved_swarm_moves_servers_until_no_stage_is_the_bottleneck(tmp_path
     made = read_moves(tmp_path)
     assert [(m["source"], m["name"].startswith("server-s0-")) for m in made] == [(0, True), (0, True)], made
     assert sorted(m["target"] for m in made) == [1, 2]
+    assert watch.came_from == {m["name"]: 0 for m in made}  # what `swarm monitor` lists moves from
     balanced_at, members, epoch = watch.first((2, 2, 2))
     assert balanced_at - started < 120, watch.history
     assert summary["stages"]["0"]["steps"] >= epoch + 10  # it kept training once balanced

@@ -21,8 +21,9 @@ EXTRAS = {"transformers": "hf", "tokenizers": "hf", "safetensors": "hf", "datase
           "prometheus_client": "monitor", "tensorboard": "monitor", "matplotlib": "plots"}
 
 
-def _joining(p: argparse.ArgumentParser) -> None:
-    """What every command that joins a swarm takes: its config and where to find it."""
+def _joining(p: argparse.ArgumentParser, listening: bool = True) -> None:
+    """What every command that joins a swarm takes: its config and where to find it; and, but for a
+    command that only looks (`listening` false), where its own peer listens."""
     p.add_argument("--config", help="TOML config file (defaults apply to anything it leaves out)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -30,19 +31,26 @@ def _joining(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--initial-peers", nargs="+",
                    help="multiaddrs of any peers of the swarm (printed by `swarm dht` and by every server)")
+    p.add_argument("--secret", metavar="FILE", help="a private swarm's shared secret: strangers are kept out")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    if not listening:
+        return
     p.add_argument("--host", help="IP address to listen on (default 0.0.0.0: all interfaces)")
     p.add_argument("--port", type=int, help="TCP port to listen on (default: any free one)")
     p.add_argument("--announce", nargs="+", metavar="MULTIADDR",
                    help="addresses to announce instead, e.g. /ip4/PUBLIC_IP/tcp/PORT behind a port forward")
     p.add_argument("--identity", metavar="FILE", help="private key file: keeps this peer's id across restarts")
-    p.add_argument("--secret", metavar="FILE", help="a private swarm's shared secret: strangers are kept out")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     _joining(p)
     p.add_argument("--run-dir", help="where logs, summaries and plots go")
     p.add_argument("--data", help="training text: a .txt/.jsonl file or a directory of them")
+
+
+def _metered(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (net.metrics_port; 0: off)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,11 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-stage", action="store_true",
                    help="serve the stage from its initial weights even mid-run when no replica or copy of it is "
                         "left (its training so far is lost); without it such a server waits for a copy")
+    _metered(p)
     p = sub.add_parser("backup", help="hold a copy of every stage's state, for stages that lose all replicas")
     _common(p)
     p = sub.add_parser("trainer", help="feed microbatches through the swarm")
     _common(p)
     p.add_argument("--index", type=int, help="a number naming this trainer's summary")
+    _metered(p)
     for name, text in (("demo", "train the default model on a local swarm (the README's first command)"),
                        ("local", "run a local swarm from a config")):
         p = sub.add_parser(name, help=text)
@@ -74,6 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per snapshot, for scripts")
     p.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                    help="print a fresh snapshot every SECONDS (default 2) until Ctrl-C")
+    p = sub.add_parser("monitor", help="serve a live web page (and JSON) of the swarm: servers, throughput, "
+                                       "loss, epochs, moves")
+    _joining(p, listening=False)
+    p.add_argument("--host", dest="http_host", default="127.0.0.1", metavar="HOST",
+                   help="address the page is served on (default 127.0.0.1; 0.0.0.0: all interfaces)")
+    p.add_argument("--port", dest="http_port", type=int, default=8000, metavar="PORT",
+                   help="the page's TCP port (default 8000; 0: any free one, printed)")
+    p.add_argument("--every", type=float, default=2.0, metavar="SECONDS",
+                   help="read the swarm from the DHT every SECONDS (default 2); the page follows at that pace")
     p = sub.add_parser("report", help="gather peers' results from their run directories into one report")
     p.add_argument("sources", nargs="+", metavar="PEER_RUN_DIR", help="each peer's --run-dir (copied from its host)")
     p.add_argument("--run-dir", required=True, help="where summary.json and the plots go")
@@ -140,6 +159,7 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
         "device": ("server.device", lambda v: f'"{v}"'),
         "resume": ("server.checkpoint_dir", lambda v: f'"{v}"'),
         "index": ("trainer.index", str),
+        "metrics_port": ("net.metrics_port", str),
     }
     for attr, (key, render) in flags.items():
         value = getattr(args, attr, None)
@@ -217,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             _serve_dht(cfg, args.addr_file)
         elif args.command == "status":
             _status(cfg, args.json, args.watch)
+        elif args.command == "monitor":
+            from swarm.ops.monitor import run_monitor
+
+            run_monitor(cfg, args.http_host, args.http_port, args.every)
         elif args.command == "server":
             from swarm.server.lifecycle import StageServer
 

@@ -159,6 +159,9 @@ class TrainerConfig:
     # optimizer steps between validation losses over data.validation_samples (0: none); one more is taken
     # when training ends. Each trainer with it set evaluates: set it on one.
     eval_every: int = 0
+    # a directory the trainer logs its loss, samples/s and validation loss (when it has one) to, for
+    # TensorBoard, in a subdirectory per trainer (trainer-INDEX); empty: off. Needs the `monitor` extra.
+    tensorboard_dir: str = ""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_size", "max_inflight", "target_steps", "max_attempts", "keep_epochs"):

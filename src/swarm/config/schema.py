@@ -228,6 +228,9 @@ class NetConfig:
     # after health_misses failed probes in a row the peer exits with an error instead of waiting forever
     health_every: float = 2.0
     health_misses: int = 3
+    # a server or trainer serves Prometheus metrics over HTTP at http://net.host:metrics_port/metrics (0: off;
+    # needs prometheus_client, the `monitor` extra); one port per peer, so peers sharing a host need their own
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         require(bool(self.run_id) and "." not in self.run_id, "net.run_id", "must be non-empty without '.'")
@@ -242,6 +245,8 @@ class NetConfig:
                 f"keeps for 600 s at most (got {self.record_ttl})")
         require(self.max_payload_mb > 0, "net.max_payload_mb", "must be positive")
         require(0 <= self.port < 65536, "net.port", f"must be a port number, got {self.port}")
+        require(0 <= self.metrics_port < 65536, "net.metrics_port",
+                f"must be a port number (0: off), got {self.metrics_port}")
         try:
             ipaddress.ip_address(self.host)
         except ValueError:

@@ -51,6 +51,7 @@ class Announcer:
             protocol=PROTOCOL_VERSION,
             fresh=st.fresh,
             digest=st.runtime.last_digest,
+            previous_stage=st.previous_stage,
         )
 
     async def announce(self) -> None:

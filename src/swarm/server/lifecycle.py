@@ -25,6 +25,7 @@ from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.exiting import STOP_MARGIN, on_stop_signals
 from swarm.looplag import LoopLag
+from swarm.metrics import Figure, MetricsEndpoint, peer_figures
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
 from swarm.net.node import visible_addresses
@@ -80,6 +81,8 @@ class StageServer:
         self.rng = random.Random()
         self.peer: SwarmPeer | None = None
         self.stage: ServedStage | None = None
+        self.announcer: Announcer | None = None  # the stage's, whose record /metrics shows
+        self.metrics = MetricsEndpoint(cfg.net, "server")
 
     @property
     def label(self) -> str:
@@ -107,8 +110,10 @@ class StageServer:
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
         try:
+            self.metrics.start(self.peer.peer_id, cfg.server.name, self._figures)
             await self.peer.guard(self._serve_stages())
         finally:
+            self.metrics.close()
             self._write_summary()
             self.gate.close()
             self.peer.leave()
@@ -127,16 +132,16 @@ class StageServer:
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
         lagging = asyncio.create_task(self.lag.loop())
         try:
-            stage = cfg.server.stage
+            stage, previous = cfg.server.stage, -1
             if cfg.server.auto_stage:
                 stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
-            while (jobs := await self._enter(stage)) is not None:
+            while (jobs := await self._enter(stage, previous)) is not None:
                 target = await self._serve_until_stop_or_move(jobs)
                 await self._leave(jobs, target)
                 if target is None:
                     break
                 self._write_summary()  # the summary of the stage it leaves, as a replica that left
-                stage = target
+                stage, previous = target, stage
         finally:
             keeping.cancel()
             lagging.cancel()
@@ -165,14 +170,16 @@ class StageServer:
     def _results_name(self, stage: int) -> str:
         return f"server-s{stage}-{self.peer.peer_id[-8:]}"
 
-    async def _enter(self, index: int) -> StageJobs | None:
+    async def _enter(self, index: int, previous: int) -> StageJobs | None:
         """Build the stage's module, take its newest state (from disk, its live replicas or a copy held
-        outside it), announce; None if stopped before it could serve."""
+        outside it), announce; None if stopped before it could serve. `previous`: the stage it moves
+        from (-1: none)."""
         cfg, peer, gate = self.cfg, self.peer, self.gate
         self.traffic.counts.clear()
         st = await gate.run(ServedStage.build, cfg.model, cfg.optim, cfg.server, index, peer.peer_id, self.label,
                             cfg.wire.policy())
         st.busy_start = gate.busy_seconds
+        st.previous_stage = previous
         gate.count_work = st.work.count
         batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)
         announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st)
@@ -187,7 +194,7 @@ class StageServer:
                           allreduce, announcer, transfer, self.results, f"{name}.steps.jsonl", self.rng)
         mover = Mover(st, peer.peer_id, cfg.server.name, self.hash, cfg.model.num_stages, cfg.rebalance,
                       cfg.server.leave_timeout, peer.directory, gate, batcher, announcer, self.results, self.rng)
-        self.stage = st
+        self.stage, self.announcer = st, announcer
         self.handlers.enter(st, batcher, allreduce.contribute)
         transfer.resume_from_disk()
         if not await take_stage_state(st, transfer, peer.directory, self.hash, cfg.model.num_stages,
@@ -244,6 +251,10 @@ class StageServer:
         st.counters["lost_samples"] += st.runtime.pending_samples
         log.info("stage %d server %s left after %.1fs%s", st.index, self.label, time.monotonic() - started,
                  f", dropping {st.runtime.pending_samples} unstepped samples" if st.runtime.pending_samples else "")
+
+    def _figures(self) -> list[Figure]:
+        record = self.announcer.record() if self.announcer is not None else None
+        return peer_figures("server", record, self.stage.counters if self.stage is not None else {}, self.traffic)
 
     def _write_summary(self) -> None:
         st = self.stage

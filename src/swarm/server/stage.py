@@ -87,6 +87,7 @@ class ServedStage:
         self.stale_logged = -1  # the last epoch at which this replica said it is behind
         self.entry: dict | None = None  # how it took the stage's state with no replica left (swarm.server.restoring)
         self.fresh = 0.0  # unix time it started the stage afresh mid-run, at its operator's word (0: it did not)
+        self.previous_stage = -1  # the stage this server moved here from (-1: it joined here)
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,

@@ -30,12 +30,14 @@ import torch
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash
 from swarm.data import load_samples, split_inputs_targets
 from swarm.exiting import STOP_MARGIN, deadline
+from swarm.metrics import Figure, MetricsEndpoint, peer_figures
 from swarm.net.directory import short
 from swarm.net.lifeline import CutOff
 from swarm.net.peer import join
 from swarm.net.protocol import Traffic
 from swarm.results import PeerResults
 from swarm.supervise import supervised
+from swarm.trainer.board import TrainerBoard
 from swarm.trainer.calls import MicrobatchFailed, StageCaller
 from swarm.trainer.delivery import GradientKeeper
 from swarm.trainer.evaluation import Validator
@@ -67,6 +69,10 @@ class Trainer:
         self.done = False
         self._ids = itertools.count()
         self._requeued: list[tuple[torch.Tensor, Piece]] = []  # batches whose forward failed: retried whole
+        # what /metrics and TensorBoard show: the figures the swarm sees in its last announcement
+        self.metrics = MetricsEndpoint(cfg.net, "trainer")
+        self.board = TrainerBoard(self.tc.tensorboard_dir, self.tc.index)
+        self.announced: TrainerRecord | None = None
 
     def run(self) -> None:
         asyncio.run(self.train())
@@ -91,6 +97,7 @@ class Trainer:
         self.validator = Validator(table, self.caller, self.num_stages, self.tc.microbatch_size, self.tc.eval_every,
                                    self.tc.max_inflight, self._step, period)
         try:
+            self.metrics.start(self.peer_id, f"trainer-{self.tc.index}", self._figures)
             self.progress.started = time.time()
             log.info("trainer %s started: a corpus of %d samples (%d more held out for validation), taken in "
                      "blocks of %d shared through the DHT, target %d steps", short(self.peer_id), len(table),
@@ -100,6 +107,8 @@ class Trainer:
                      short(self.peer_id), self.progress.samples(), self.failed, self.caller.retries,
                      self.keeper.replays)
         finally:
+            self.metrics.close()
+            self.board.close()
             await self._release_blocks()
             self._write_summary()
             peer.leave()
@@ -254,6 +263,12 @@ class Trainer:
         record = TrainerRecord(self.peer_id, p.samples(), self.failed, p.recent_loss(), self.done, p.recent_rate(),
                                **validation)
         await self.directory.announce_trainer(record, ttl=60.0 if self.done else None)
+        self.announced = record
+        self.board.add(record)
+
+    def _figures(self) -> list[Figure]:
+        counters = {"retries": self.caller.retries, "replays": self.keeper.replays}
+        return peer_figures("trainer", self.announced, counters, self.traffic)
 
     def _write_summary(self) -> None:
         if not hasattr(self, "peer_id"):

@@ -83,6 +83,9 @@ class ServerRecord(_Record):
     # of the weights it holds at `epoch` (swarm.server.state_io.digest): downloaders of a replica's state take
     # it only where other replicas vouch for its digest (swarm.core.vouching); not part of the agreed config
     digest: str = ""
+    # the stage this server served before it moved to this one (-1: none, it joined here); the move itself
+    # was `tenure` seconds ago
+    previous_stage: int = -1
 
     def agreed(self) -> dict[str, Any]:
         """What the writer hashed into `config_hash` (see swarm.config.agreed), to name what differs."""
@@ -93,6 +96,8 @@ class ServerRecord(_Record):
         fields = _fields_from(cls, value)
         if min(fields["stage"], fields["epoch"], fields["pending"], fields["queue"], fields.get("tenure", 0)) < 0:
             raise RecordError("negative counter")
+        if fields.get("previous_stage", -1) < -1:
+            raise RecordError("previous_stage below -1")
         return cls(peer_id=peer_id, **fields)
 
 
