@@ -65,16 +65,14 @@ def test_trainers_show_every_field_of_their_record_and_no_loss_before_they_have_
     assert data["series"]["trainer_samples_per_second"] == {"…tttttt": [[T0, 20.0], [T0 + 1, 20.0]]}
 
 
-def test_a_figure_trainers_add_to_their_record_is_shown_and_charted() -> None:
-    """A validation loss, for one: the page shows a column and a dashed line for `val_loss` once trainers
-    announce it."""
-    validating = dataclasses.make_dataclass("ValidatingRecord", [("val_loss", "float", math.nan)],
-                                            bases=(TrainerRecord,), frozen=True)
+def test_the_trainers_validation_loss_is_shown_and_charted() -> None:
+    """The page shows a column and a dashed line for `val_loss` once trainers announce one."""
     history = History("demo", every=1.0)
-    history.add(SwarmStatus({0: []}, [validating(**dataclasses.asdict(trainer("tttttt")), val_loss=2.75)], T0))
+    history.add(SwarmStatus({0: []}, [trainer("tttttt")], T0))
+    history.add(SwarmStatus({0: []}, [dataclasses.replace(trainer("tttttt"), val_loss=2.75, val_step=4)], T0 + 1))
     data = served(history)
-    assert data["trainers"][0]["val_loss"] == 2.75
-    assert data["series"]["trainer_val_loss"] == {"…tttttt": [[T0, 2.75]]}
+    assert data["trainers"][0]["val_loss"] == 2.75 and data["trainers"][0]["val_step"] == 4
+    assert data["series"]["trainer_val_loss"] == {"…tttttt": [[T0 + 1, 2.75]]}  # none before the first
 
 
 def test_moves_seen_between_snapshots_or_told_by_the_record_are_listed_once() -> None:
