@@ -80,7 +80,10 @@ class StageClient:
         deadline = asyncio.get_running_loop().time() + timeout
         for attempt in range(2):
             try:
-                reply, received = await asyncio.wait_for(exchange(), deadline - asyncio.get_running_loop().time())
+                # asyncio.timeout rather than wait_for: on Python 3.11 wait_for loses a cancellation that
+                # arrives as the call fails, and a stopping trainer would go on retrying
+                async with asyncio.timeout(deadline - asyncio.get_running_loop().time()):
+                    reply, received = await exchange()
                 break
             except TimeoutError as e:
                 raise CallFailed(f"{method} timed out after {timeout:.1f}s", timed_out=True) from e
