@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import socket
@@ -32,10 +34,17 @@ ROWS = "[...document.querySelectorAll('#servers tr.server')].map(r => [r.dataset
        "r.cells[7].textContent]).sort()"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` consecutive ports free now (what `swarm local` hands out from net.metrics_port)."""
+    for base in range(20000 + os.getpid() % 20000, 65000 - count, count):
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return list(range(base, base + count))
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def until(read: Callable[[], T], wanted: Callable[[T], bool], timeout: float, what: str) -> T:
@@ -97,17 +106,18 @@ class Monitor:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed: the page is checked in a headless browser")
 def test_monitor_page_metrics_and_tensorboard(tmp_path: Path) -> None:
-    ports = [free_port() for _ in range(4)]  # three servers', then the trainer's
+    ports = free_ports(4)  # three servers', then the trainer's: the local swarm counts up from the first
     board = tmp_path / "board"
-    cfg = small_config(tmp_path / "run", "trainer.target_steps=1000", f"net.metrics_port={ports[3]}",
+    cfg = small_config(tmp_path / "run", "trainer.target_steps=1000", f"net.metrics_port={ports[0]}",
                        f'trainer.tensorboard_dir="{board}"')
     swarm = LocalSwarm(cfg)
     monitor = page = None
     try:
         swarm.start_bootstrap()
-        servers = [swarm.add_server(stage, (f"net.metrics_port={port}",))
-                   for stage, port in zip((0, 0, 1), ports[:3], strict=True)]
+        servers = [swarm.add_server(stage) for stage in (0, 0, 1)]
         swarm.add_trainer(0)
+        registry = json.loads((tmp_path / "run" / "peers.json").read_text())
+        assert [p["metrics_port"] for p in registry.values() if p["role"] != "dht"] == ports
         monitor = Monitor(swarm)
         page = HeadlessPage(monitor.url, tmp_path / "chromium")
 

@@ -42,6 +42,7 @@ class Peer:
     log_path: Path
     stage: int | None = None
     host: Host | None = None  # the network namespace it runs in, if any
+    metrics_port: int = 0  # where its Prometheus /metrics is served (0: nowhere)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -73,6 +74,7 @@ class LocalSwarm:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
         self.peers: list[Peer] = []
+        self._counted_ports = 0  # metrics ports handed out from net.metrics_port
         self.initial_peers: tuple[str, ...] = ()
         self._counter = 0
         self.lab: NetLab | None = None
@@ -101,6 +103,13 @@ class LocalSwarm:
         cmd = [*wrap, sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
         if role != "dht":  # a fault injector may delay or drop this peer's messages through this file
             overrides = [*overrides, f'net.fault_file="{fault_file(self.run_dir, name)}"']
+        given = [o.partition("=")[2] for o in overrides if o.startswith("net.metrics_port=")]
+        metrics_port = int(given[-1]) if given else 0
+        if not given and self.cfg.net.metrics_port and role in ("server", "trainer"):
+            # peers share the host: each takes its own port, counting up from the configured one
+            metrics_port = self.cfg.net.metrics_port + self._counted_ports
+            self._counted_ports += 1
+            overrides = [*overrides, f"net.metrics_port={metrics_port}"]
         for o in overrides:
             cmd += ["--set", o]
         cmd += extra
@@ -113,7 +122,7 @@ class LocalSwarm:
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 stdin=subprocess.DEVNULL, preexec_fn=share.enter if share else None,
             )
-        peer = Peer(name, role, process, log_path, stage, host)
+        peer = Peer(name, role, process, log_path, stage, host, metrics_port)
         self.peers.append(peer)
         self._write_registry()
         return peer
@@ -121,7 +130,8 @@ class LocalSwarm:
     def _write_registry(self) -> None:
         """peers.json: every peer's pid and namespace, for `swarm fault` run from another terminal."""
         registry = {
-            p.name: {"role": p.role, "stage": p.stage, "pid": p.process.pid, "host": p.host and asdict(p.host)}
+            p.name: {"role": p.role, "stage": p.stage, "pid": p.process.pid, "host": p.host and asdict(p.host),
+                     "metrics_port": p.metrics_port}
             for p in self.peers
         }
         (self.run_dir / "peers.json").write_text(json.dumps(registry, indent=1))
