@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -164,3 +165,13 @@ async def wait_for_stages(directory: Directory, num_stages: int, timeout: float)
             return {k: v[0].peer_id for k, v in stages.items()}
         await asyncio.sleep(0.2)
     raise TimeoutError("servers did not announce themselves")
+
+
+def interrupt(process: subprocess.Popen) -> int:
+    """Ctrl-C, as a person ends a command that follows the swarm: its exit code (leaving the DHT takes
+    seconds, more on a loaded 2-core host; killed if it has not ended within a minute)."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout=60)
+    finally:
+        process.kill()

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm
 
 from .browser import CHROMIUM, HeadlessPage
-from .helpers import small_config, tracebacks
+from .helpers import interrupt, small_config, tracebacks
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -95,12 +94,6 @@ class Monitor:
     def data(self) -> dict[str, Any]:
         return json.loads(urllib.request.urlopen(self.url + "status.json", timeout=10).read())
 
-    def interrupt(self) -> int:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout=60)
-        finally:
-            self.process.kill()
 
 
 @pytest.mark.timeout(300)
@@ -164,16 +157,13 @@ def test_monitor_page_metrics_and_tensorboard(tmp_path: Path) -> None:
         until(lambda: [r[0] for r in page.evaluate(ROWS)], lambda peers: peers == sorted([ids[0], ids[2]]), 60,
               "the killed server's row gone")
         assert page.evaluate("document.getElementById('error').textContent") == ""
-        assert monitor.interrupt() == 0
+        assert interrupt(monitor.process) == 0
         monitor = None
-        # the trainer goes first and at once: one interrupted while its calls fail fast can retry on and on
-        # (on Python 3.11, asyncio.wait_for can swallow the cancellation of a call that failed meanwhile)
-        FaultInjector(swarm.run_dir).kill("trainer-0")
     finally:
         if page is not None:
             page.close()
         if monitor is not None:
-            monitor.interrupt()
+            interrupt(monitor.process)
         swarm.stop()
     assert not tracebacks(swarm.run_dir)
 

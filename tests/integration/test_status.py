@@ -19,7 +19,7 @@ from swarm.config import load_config, replace
 from swarm.ops.local import LocalSwarm
 from swarm.ops.status import SwarmStatus, follow
 
-from .helpers import small_config
+from .helpers import interrupt, small_config
 
 pytestmark = pytest.mark.integration
 PROGRESS = re.compile(r"trainer …\w{6}: ([\d,]+) samples \([\d.]+/s\), loss [\d.]+, servers/stage (\d+/\d+), step \d+")
@@ -57,13 +57,6 @@ class Watch:
             if wanted(snapshot):
                 return snapshot
 
-    def interrupt(self) -> int:
-        """Ctrl-C: how a watch ends (leaving the DHT takes seconds; more on a loaded 2-core host)."""
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout=60)
-        finally:
-            self.process.kill()
 
 
 @pytest.mark.timeout(300)
@@ -102,7 +95,7 @@ def test_status_shows_servers_trainers_and_a_stage_without_server(tmp_path: Path
         table = as_table.until(lambda t: "stage 1: no server" in t and any("server-s0-1" in line for line in t), 30)
         assert [line.split()[0] for line in table if "…" in line and "server-" in line] == ["server-s0-1"]
         assert table[-1].startswith("verdict: stage 1 has no server"), table
-        assert as_json.interrupt() == 0 and as_table.interrupt() == 0
+        assert interrupt(as_json.process) == 0 and interrupt(as_table.process) == 0
 
         log = swarm.trainers()[0].log_path.read_text()
         progress = [(int(m[1].replace(",", "")), m[2]) for m in PROGRESS.finditer(log)]
