@@ -108,10 +108,12 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
         inputs, targets = split_inputs_targets(next(batches)[pipeline * share : (pipeline + 1) * share], table.pad_id)
         if stage.is_first:
             schedule.step(inputs)
-        else:
+        elif stage.is_last:
             losses: list[torch.Tensor] = []
             schedule.step(targets=targets, target=targets, losses=losses, return_outputs=False)
             losses_by_step.append(torch.stack(losses).mean().item())
+        else:  # a middle stage: activations in, activations out
+            schedule.step()
         if run.pipelines > 1:
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat, group=stage_groups[stage_index])
@@ -124,6 +126,7 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
         opt.zero_grad(set_to_none=True)
 
     result: dict = {"rank": rank}
+    start = time.perf_counter()
     try:
         step()  # warm-up
         dist.barrier()
