@@ -93,7 +93,7 @@ class ServedStage:
     def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,
               label: str, wire: Policy | None = None) -> ServedStage:
         """The stage at its initial weights (run on the compute thread: building may take a while).
-        `wire`: the codecs results are packed with on the compute thread (see StageRuntime._out)."""
+        `wire`: the codecs results are packed with on the compute thread (see swarm.wire.codecs.on_host)."""
         module = build_stage(model, index)  # this stage alone, where the model spec allows it
         in_spec, out_spec = stage_specs(model, module)
         runtime = StageRuntime(module, optim, server.device, server.autocast, server.graph_ttl, wire)
