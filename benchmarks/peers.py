@@ -84,7 +84,7 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
             victim.signal(signal.SIGKILL)
             killed.append(time.time())
 
-    summary = run_local(cfg, progress=False, on_status=follow)
+    summary = run_local(cfg, progress=False, on_status=follow if kill_stage is not None else None)
     result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
               "samples_per_second": summary["steady_samples_per_second"],
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()

@@ -106,12 +106,35 @@ def encode(
         yield cls(metadata=packed)
 
 
+@dataclass
+class Received:
+    """A payload off the wire, its tensors still packed: `receive` reads it on the event loop, and the
+    codec work of `tensors` can then run elsewhere (a server unpacks requests on a worker thread, so
+    that the loop which renews its DHT records does none)."""
+
+    meta: dict[str, Any]
+    packs: list[codecs.Packed]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [codecs.decode(p) for p in self.packs]
+
+
 async def decode(
     stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None,
     admit: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one.
     `admit` sees the metadata as soon as it arrives, before any tensor is read: it raises to refuse."""
+    received = await receive(stream, max_bytes, traffic, admit)
+    return received.meta, received.tensors()
+
+
+async def receive(
+    stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None,
+    admit: Callable[[dict[str, Any]], None] | None = None,
+) -> Received:
+    """`decode` up to the codecs: the payload read, checked against its limit and its description, and
+    counted; its tensors still packed."""
     meta: dict[str, Any] | None = None
     raw: list[torch.Tensor] = []
     sizes: list[int] = []  # bytes of each raw part, for the accounting
@@ -144,7 +167,7 @@ async def decode(
         raise BadRequest("empty stream: the other side closed it before sending anything")
     if not isinstance(meta, dict):
         raise BadRequest("malformed metadata")
-    return meta, _unpack(meta.pop(WIRE_KEY, None), raw, sizes, traffic)
+    return Received(meta, _packs(meta.pop(WIRE_KEY, None), raw, sizes, traffic))
 
 
 def _pack(item: Item, policy: codecs.Policy) -> tuple[str, codecs.Packed]:
@@ -155,10 +178,10 @@ def _pack(item: Item, policy: codecs.Policy) -> tuple[str, codecs.Packed]:
     return item.role, policy.pack(item.role, item.value)
 
 
-def _unpack(
+def _packs(
     wire: Any, raw: list[torch.Tensor], sizes: list[int], traffic: Traffic | None
-) -> list[torch.Tensor]:
-    """The tensors the raw parts encode, as the metadata describes them."""
+) -> list[codecs.Packed]:
+    """The packed tensors the raw parts make up, as the metadata describes them."""
     if wire is None and not raw:
         return []
     if not (isinstance(wire, list) and len(wire) <= MAX_TENSORS
@@ -168,15 +191,15 @@ def _unpack(
     if sum(e["parts"] for e in wire) != len(raw):
         raise BadRequest(f"malformed payload: {len(raw)} tensor parts for a description of "
                          f"{sum(e['parts'] for e in wire)}")
-    tensors, start = [], 0
+    packs, start = [], 0
     for entry in wire:
         stop = start + entry["parts"]
         description = {k: v for k, v in entry.items() if k not in ("role", "parts")}
-        tensors.append(codecs.decode(codecs.Packed(description, raw[start:stop])))
+        packs.append(codecs.Packed(description, raw[start:stop]))
         if traffic is not None:
             traffic.add(entry["role"], "received", sum(sizes[start:stop]))
         start = stop
-    return tensors
+    return packs
 
 
 def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:

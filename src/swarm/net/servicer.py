@@ -1,7 +1,8 @@
 """The stage server's RPC surface: each `rpc_*` method is one call of the protocol.
 
-Handlers are thin: decode, hand to the server's `StageHandler`, encode. A failure becomes an error
-reply (`{"error": ..., "refused": ...}` in the metadata) rather than an exception crossing hivemind:
+Handlers are thin: decode (the codecs on a worker thread, off the loop that renews the server's DHT
+records), hand to the server's `StageHandler`, encode. A failure becomes an error reply
+(`{"error": ..., "refused": ...}` in the metadata) rather than an exception crossing hivemind:
 the caller learns whether the server refused the request itself (`BadRequest`: retrying elsewhere
 will not help) or failed to serve it (retry elsewhere), and the server keeps serving.
 
@@ -28,7 +29,7 @@ from hivemind.proto import runtime_pb2
 from swarm.net.directory import short
 from swarm.net.faultfile import FaultFile
 from swarm.net.join import NotMember
-from swarm.net.protocol import Item, Traffic, decode, encode
+from swarm.net.protocol import Item, Traffic, encode, receive
 from swarm.net.quiet import Quiet
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.wire.codecs import EXACT, Policy
@@ -125,8 +126,10 @@ class StageServicer(ServicerBase):
             await self.faults.apply()
         try:
             admit = None if self.secret is None else partial(self._admit, caller, context.local_id.to_base58())
-            meta, tensors = await decode(requests, self.handler.max_request_bytes, self.traffic, admit)
-            reply: Reply = await handler(meta, tensors, caller)
+            received = await receive(requests, self.handler.max_request_bytes, self.traffic, admit)
+            # codec work on a worker thread: the event loop also renews this server's DHT records
+            tensors = await asyncio.to_thread(received.tensors) if received.packs else []
+            reply: Reply = await handler(received.meta, tensors, caller)
         except NotMember:
             if caller not in self._strangers and len(self._strangers) < MAX_STRANGERS_LOGGED:
                 self._strangers.add(caller)

@@ -1,5 +1,6 @@
 """A server's announcement in the DHT: what trainers route by and what its stage's replicas decide their
-steps from. Renewed every `net.announce_period`, and sooner while gradients accumulate."""
+steps from. Renewed every `net.announce_period`, and sooner while gradients accumulate in a stage
+with other replicas at this one's epoch."""
 
 from __future__ import annotations
 
@@ -63,6 +64,11 @@ class Announcer:
     async def withdraw(self) -> None:
         await self.directory.withdraw_server(self.record())
 
+    def _counted_by_others(self) -> bool:
+        """Whether replicas at our epoch were in the step loop's last view (they add our count to theirs)."""
+        epoch, peers = self.stage.plan.peers_at_epoch
+        return epoch == self.stage.runtime.epoch and bool(peers)
+
     async def _announce_quietly(self) -> None:
         try:
             await self.announce()
@@ -70,8 +76,10 @@ class Announcer:
             log.warning("announcement failed: %s", e)
 
     async def loop(self) -> None:
-        """Re-announce every period, and sooner while gradients accumulate: replicas decide when the
-        stage steps from each other's announced sample counts, so stale counts mean oversized steps.
+        """Re-announce every period, and sooner while gradients accumulate beside other replicas at our
+        epoch: they decide when the stage steps from each other's announced sample counts, so stale
+        counts mean oversized steps. A replica alone at its epoch has no one to tell: every store is
+        served by each DHT node holding the stage's key, CPU taken from the compute of every host.
 
         The loop also notices when this process stalled (it was frozen) for so long that its record
         may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall.
@@ -88,7 +96,7 @@ class Announcer:
             tick = now
             if sending is not None and not sending.done():
                 continue
-            changed = st.runtime.pending_samples != self._announced_pending
+            changed = st.runtime.pending_samples != self._announced_pending and self._counted_by_others()
             if changed or now - last >= self.period:
                 last = now
                 sending = asyncio.create_task(self._announce_quietly())

@@ -115,7 +115,7 @@ class StageHandlers:
         self.quiet.warning(f"refused {method} requests", "%s from %s refused: %s", method, short(caller),
                            error.args[0])
 
-    # ---- checks on tensors -------------------------------------------------------------------
+    # ---- checks on tensors (each a pass over every value: run on a worker thread, off the event loop) --
 
     def _check_inputs(self, st: ServedStage, x: torch.Tensor) -> None:
         check_tensor("inputs", x, st.in_spec, self.server.max_request_samples, self.server.max_activation)
@@ -154,7 +154,7 @@ class StageHandlers:
         call = StageCall.from_meta(meta)
         st = self._admit(call, new_work=True)
         key = f"{caller}/{call.req}"
-        x, targets = self._check_forward(st, tensors)
+        x, targets = await asyncio.to_thread(self._check_forward, st, tensors)
         if targets is not None and (cached := self._repeat(st, key)) is not None:
             return cached
         if targets is not None:
@@ -175,7 +175,7 @@ class StageHandlers:
         call = StageCall.from_meta(meta)
         st = self._admit(call, new_work=False)
         key = f"{caller}/{call.req}"
-        x, dy = self._check_backward(st, tensors)
+        x, dy = await asyncio.to_thread(self._check_backward, st, tensors)
         if (cached := self._repeat(st, key)) is not None:
             return cached
         self._take_receipt(st, call, key, x.shape[0])
@@ -198,7 +198,7 @@ class StageHandlers:
         those of training). The last stage answers the loss, the others their outputs."""
         call = StageCall.from_meta(meta)
         st = self._admit(call, new_work=True)
-        x, targets = self._check_forward(st, tensors)
+        x, targets = await asyncio.to_thread(self._check_forward, st, tensors)
         out = await self.gate.run(st.runtime.evaluate, x, targets, expires=Deadline.of(call))
         if targets is None:
             return {"epoch": st.runtime.epoch}, [Tagged("activations", out)]

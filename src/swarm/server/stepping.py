@@ -44,7 +44,8 @@ from swarm.wire.records import ServerRecord, TrainerRecord
 
 log = logging.getLogger("swarm.server")
 # seconds between looks when nothing wakes the step loop, and how long a read of the stage's records
-# serves the looks that gradients wake in between (others announce once a second, or on new samples)
+# serves the looks that gradients wake in between while other replicas are in view (they announce once a
+# second, and on new samples); a replica alone reads once per announcement period
 LOOK_EVERY = 0.5
 STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
 DISTRUST_TTLS = 10  # record lifetimes such a peer stays left out
@@ -157,10 +158,12 @@ class Stepper:
         return decision, records
 
     async def _records(self) -> list[ServerRecord]:
-        """The stage's records, read at most once per LOOK_EVERY: a look woken by each new gradient would
-        otherwise read the DHT several times a second for counts that others announce once a second."""
+        """The stage's records, read at most once per LOOK_EVERY, or per announcement period while no other
+        replica is in view: a look woken by each new gradient would otherwise read the DHT several times a
+        second for counts that others announce once a second, and a newcomer is seen within a period."""
         now = time.monotonic()
-        if now - self._records_read[0] >= LOOK_EVERY:
+        others = any(r.peer_id != self.peer_id for r in self._records_read[1])
+        if now - self._records_read[0] >= (LOOK_EVERY if others else self.net.announce_period):
             self._records_read = (now, await self.directory.stage(self.stage.index))
         return self._records_read[1]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import random
 import signal
 import time
@@ -241,18 +240,15 @@ class Trainer:
             )
 
     async def _refresh_loop(self) -> None:
-        """The view twice per announcement period (a gone server's calls are abandoned within a few
-        views); our own record once per period, which is as often as anyone reads it."""
-        announced = -math.inf
+        """The view and our own record once per announcement period, as often as servers renew theirs (a
+        gone server's calls are abandoned within a few views): each read is served by every DHT node
+        holding the stage's key, CPU taken from the compute of every host."""
         while True:
-            await asyncio.sleep(self.cfg.net.announce_period / 2)
+            await asyncio.sleep(self.cfg.net.announce_period)
             try:
                 await self.view.refresh(self.directory)
                 self.caller.abandon_gone()
-                # every second view: a little under a period, so that sleep jitter never skips to the third
-                if time.monotonic() - announced >= self.cfg.net.announce_period * 0.9:
-                    announced = time.monotonic()
-                    await self._announce()
+                await self._announce()
             except Exception as e:
                 log.warning("could not refresh the swarm view: %s", e)
 
