@@ -11,7 +11,8 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
 - fault-free: the single process (`baseline()` of benchmarks/throughput.py, all cores in one process);
   GPipe and 1F1B (benchmarks/torchpipe.py: one process per stage, one thread each, gloo on 127.0.0.1,
   each rank building its own stage of `swarm.model` as a swarm server does); the local swarm of one
-  server per stage and one trainer, timed from its first completed microbatch.
+  server per stage and one trainer. Every run is timed after its first optimizer step (the swarm's:
+  once every stage has taken it).
 - straggler: four workers on each side, each held to 0.45 cores as a machine of its own would be (a
   cgroup CPU quota, so needs root; the swarm's servers with their DHT and p2pd helpers), one of them 3x
   slower (a share of 0.15 cores): torch 1F1B as two data-parallel pipelines of 2 stages
@@ -42,7 +43,7 @@ import torch
 
 from swarm.config import ModelConfig, load_config
 from swarm.ops.local import LocalSwarm
-from swarm.ops.report import collect
+from swarm.ops.report import collect, read_steps
 from swarm.ops.run import run_local
 from swarm.ops.status import SwarmStatus
 
@@ -85,17 +86,30 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
             killed.append(time.time())
 
     summary = run_local(cfg, progress=False, on_status=follow if kill_stage is not None else None)
+    completed = collect(Path(run_dir))["_completed"]
+    since = killed[0] if killed else warmed_up(Path(run_dir))
+    after = [c for c in completed if c[0] > since]
     result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
-              "samples_per_second": summary["steady_samples_per_second"],
+              "samples_per_second": sum(c[1] for c in after) / (after[-1][0] - since),
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
                                           for r in st["replicas"])}
     if kill_stage is not None:
         if not killed:
             raise RuntimeError("the swarm ended before the kill")
-        after = [c for c in collect(Path(run_dir))["_completed"] if c[0] > killed[0]]
-        result["samples_per_second"] = sum(c[1] for c in after) / (after[-1][0] - killed[0])
         result["retries"], result["replays"] = summary["retries"], summary["replays"]
     return result
+
+
+def warmed_up(run_dir: Path) -> float:
+    """When the swarm's warm-up step was over: the time the last of its stages took its first step. Torch's
+    runs are timed after their first step too; the swarm's servers starting up, joining late (a slow one
+    imports torch at a third of the speed) and catching up by download all fall before it."""
+    first: dict[int, float] = {}
+    for stage, servers in read_steps(run_dir).items():
+        times = [r["time"] for records in servers for r in records if r["epoch"] == 1]
+        if times:
+            first[stage] = min(times)
+    return max(first.values())
 
 
 def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | None:
