@@ -12,7 +12,9 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   GPipe and 1F1B (benchmarks/torchpipe.py: one process per stage, one thread each, gloo on 127.0.0.1,
   each rank building its own stage of `swarm.model` as a swarm server does); the local swarm of one
   server per stage and one trainer. Every run is timed after its first optimizer step (the swarm's:
-  once every stage has taken it).
+  once every stage has taken it). The swarm's rate is given to its end and, besides, until its trainer
+  stopped starting microbatches: what follows is the one drain of the whole run, which a pipeline
+  schedule pays at every step (its bubble, counted in torch's rates).
 - straggler: four workers on each side, each held to 0.45 cores as a machine of its own would be (a
   cgroup CPU quota, so needs root; the swarm's servers with their DHT and p2pd helpers), one of them 3x
   slower (a share of 0.15 cores): torch 1F1B as two data-parallel pipelines of 2 stages
@@ -89,8 +91,13 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
     completed = collect(Path(run_dir))["_completed"]
     since = killed[0] if killed else warmed_up(Path(run_dir))
     after = [c for c in completed if c[0] > since]
+    # the last microbatch was started when the one `max_inflight` before the end completed: from then on
+    # the run only drains, once at its end (a pipeline schedule drains at every step: its bubble)
+    fed = completed[-cfg.trainer.max_inflight - 1][0]
+    steady = [c for c in after if c[0] <= fed]
     result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
               "samples_per_second": sum(c[1] for c in after) / (after[-1][0] - since),
+              "undrained_samples_per_second": sum(c[1] for c in steady) / (fed - since) if fed > since else None,
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
                                           for r in st["replicas"])}
     if kill_stage is not None:
@@ -167,6 +174,11 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
         vs_single = f"{r['vs_single']:.3f}" if r["vs_single"] is not None else "-"
         print(f"{name:<10} {r['samples_per_second']:>10.2f} {r['gflops']:>8.2f} {vs_single:>10} "
               f"{r['vs_ref'] or 0:>7.3f}   {loss}")
+        if r.get("undrained_samples_per_second"):
+            undrained = r["undrained_samples_per_second"]
+            r["undrained_vs_ref"] = undrained / reference if reference else None
+            print(f"{'':<10} {undrained:>10.2f}   until its trainer stopped starting microbatches: "
+                  f"{r['undrained_vs_ref'] or 0:.3f} x the reference")
         if "ended" in r:
             for rank, s in sorted(r["ended"]["survivors"].items()):
                 ended = f"{s['error'][:90]}... {s['at']:.1f}s into the timed run, in {s['where']}"
@@ -204,10 +216,12 @@ def main() -> None:
             report(name, results, single, flops)
             for run, r in results.items():
                 ratios.setdefault((name, run), []).append(r["vs_ref"] or 0.0)
+                if r.get("undrained_vs_ref"):
+                    ratios.setdefault((name, f"{run}, undrained"), []).append(r["undrained_vs_ref"])
     if args.repeat > 1:
         print(f"\nmedians of {args.repeat} (ratio to each scenario's reference)")
         for (name, run), values in ratios.items():
-            print(f"{name:<11} {run:<10} {statistics.median(values):.3f}   ({', '.join(f'{v:.3f}' for v in values)})")
+            print(f"{name:<11} {run:<21} {statistics.median(values):.3f}   ({', '.join(f'{v:.3f}' for v in values)})")
 
 
 if __name__ == "__main__":
