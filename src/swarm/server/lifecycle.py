@@ -234,9 +234,8 @@ class StageServer:
         announcer, stepper, batcher, *others = jobs.tasks
         for task in (announcer, *others):
             task.cancel()
-        # a sync round under way finishes for the whole stage first; an async round's exchange is called
-        # off, and its other replicas retry without this one
-        await jobs.stepper.finish()
+        # a sync round holds the gate, so it finishes for the whole stage first; an async round's exchange
+        # (run without the gate) is called off, and its other replicas retry without this one
         async with self.gate.lock:
             stepper.cancel()
         await asyncio.gather(announcer, stepper, *others, return_exceptions=True)
@@ -277,7 +276,7 @@ class StageServer:
             # local updates between each gradient's forward and its application -> gradients
             "staleness": {str(k): n for k, n in sorted(rt.staleness.items())},
             # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
-            "ledger": {str(e): ids for e, ids in rt.book.steps().items()},
+            "ledger": {str(e): ids for e, ids in rt.ledger().items()},
             "throughput": st.work.meter.rate,
             "capacity": st.work.capacity.rate,
             "traffic": self.traffic.as_dict(),
