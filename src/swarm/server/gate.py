@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.server.turns import TurnLock
 from swarm.wire.calls import StageCall
 from swarm.wire.validate import Unavailable
 
@@ -49,7 +48,7 @@ class ComputeGate:
         one torch thread, not held to a CPU quota), so its CPU time is what a job costs."""
         self.slowdown = slowdown
         self.cost_by_cpu = cost_by_cpu
-        self.lock = TurnLock()  # steps go first (`lock.urgent()`): see swarm.server.turns
+        self.lock = asyncio.Lock()
         self.queued = 0  # jobs waiting for the lock (announced: trainers route around long queues)
         self.busy_seconds = 0.0  # wall time the thread spent on jobs
         self.count_work: WorkCounter = lambda work, samples, seconds: None

@@ -227,7 +227,7 @@ class Stepper:
     async def _sync_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
         """All-reduce the stage's gradients and step, holding the gate throughout."""
         st = self.stage
-        async with self.gate.lock.urgent():
+        async with self.gate.lock:
             if not self._opens(epoch):
                 return None
             st.round_epoch = epoch
@@ -242,14 +242,14 @@ class Stepper:
     async def _average_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
         """Average the replicas' weights (async mode); serving goes on while the deltas travel."""
         st = self.stage
-        async with self.gate.lock.urgent():
+        async with self.gate.lock:
             if not self._opens(epoch):
                 return None
             own = await self.gate.run_locked(st.runtime.begin_average)
         st.round_epoch = epoch
         try:
             mean, samples, ids = await self._reduce(epoch, group, own.contribution, own.samples, own.ids)
-            async with self.gate.lock.urgent():
+            async with self.gate.lock:
                 return await self.gate.run_locked(st.runtime.finish_average, own, mean, samples, len(group), ids)
         finally:
             st.round_epoch = None
