@@ -93,7 +93,7 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
     after = [c for c in completed if c[0] > since]
     # the last microbatch was started when the one `max_inflight` before the end completed: from then on
     # the run only drains, once at its end (a pipeline schedule drains at every step: its bubble)
-    fed = completed[-cfg.trainer.max_inflight - 1][0]
+    fed = completed[-cfg.trainer.max_inflight - 1][0] if len(completed) > cfg.trainer.max_inflight else since
     steady = [c for c in after if c[0] <= fed]
     result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
               "samples_per_second": sum(c[1] for c in after) / (after[-1][0] - since),
