@@ -104,9 +104,10 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
                 marks["back"] = now  # caught up, and stepped with its stage again
                 faults.delay(victim[0], seconds=0.5)
                 faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=0.5)
-        # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed, so
-        # that some of their calls wait at it again
-        elif len(kinds) == 6 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1:
+        # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed and its
+        # record shows gradients it took since its last step: trainers send it calls again
+        elif (len(kinds) == 6 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1
+              and any(r.name == victim[0].name and r.pending > 0 for r in status.servers.get(0, []))):
             os.kill(victim[0].process.pid, signal.SIGKILL)
             marks["killed"] = time.time()
         elif "killed" in marks and "end" not in marks and now - marks["killed"] > 10:

@@ -11,6 +11,7 @@ import pytest
 
 from swarm.core.bans import BanList
 from swarm.core.routing import (
+    MAX_LATENCY_RATIO,
     Candidate,
     ServerLatencies,
     SmoothWeightedRoundRobin,
@@ -233,17 +234,40 @@ def test_latency_is_relative_to_the_stage_per_method() -> None:
 def test_failures_count_as_the_longest_wait_once_a_server_has_answered() -> None:
     measured = ServerLatencies()
     measured.answered("liar", "forward", 0.1)
-    measured.failed("liar", "forward", 5.0)  # a timeout: 50 times the stage's typical forward
-    assert measured.latency("liar") == pytest.approx(1.0 + 0.25 * 49)
-    measured.failed("stranger", "forward", 5.0)  # never answered: the newcomer cap and its ban bound it
-    measured.failed("liar", "backward", 5.0)  # no backward answered yet: nothing to compare with
+    measured.failed("liar", "forward", 1.2)  # a timeout: 12 times the stage's typical forward
+    assert measured.latency("liar") == pytest.approx(1.0 + 0.25 * 11)
+    measured.failed("stranger", "forward", 1.2)  # never answered: the newcomer cap and its ban bound it
+    measured.failed("liar", "backward", 1.2)  # no backward answered yet: nothing to compare with
     assert measured.latency("stranger") is None
-    assert measured.latency("liar") == pytest.approx(1.0 + 0.25 * 49)
-    # beside an honest server it falls from 80% of the picks (credited 4 x 20) to 80 / 53 against 20: it
-    # claims 4 times the honest one's throughput and is 13.25 times slower, 53 times slower than it claims
+    assert measured.latency("liar") == pytest.approx(3.75)
+    # beside an honest server it falls from 80% of the picks (credited 4 x 20) to 80 / 15 against 20: it
+    # claims 4 times the honest one's throughput and is 3.75 times slower, 15 times slower than it claims
     candidates = [_answered("honest", 20.0), _answered("liar", 1e9, measured.latency("liar"))]
     counts = _counts(candidates, seed=7)
-    assert _close(counts["liar"], round(PICKS * (80 / 53) / (80 / 53 + 20))), counts
+    assert _close(counts["liar"], round(PICKS * (80 / 15) / (80 / 15 + 20))), counts
     assert counts["liar"] < PICKS / 4
-    measured.failed("liar", "forward", 5.0)  # and each further failure takes more
-    assert measured.latency("liar") > 20
+    measured.failed("liar", "forward", 5.0)  # and each further failure takes more, 16 typical calls at most
+    assert measured.latency("liar") == pytest.approx(3.75 + 0.25 * (MAX_LATENCY_RATIO - 3.75))
+    for _ in range(30):
+        measured.failed("liar", "forward", 5.0)
+    assert MAX_LATENCY_RATIO - 0.01 < measured.latency("liar") <= MAX_LATENCY_RATIO
+
+
+def test_a_server_back_from_a_stall_earns_its_share_back() -> None:
+    """Frozen, a server failed its calls at timeouts of hundreds of typical calls. Thawed, it still gets a
+    trickle of calls (each failure counted as at most MAX_LATENCY_RATIO typical ones), and a score of answers
+    at the stage's usual latency give it its share back."""
+    measured = ServerLatencies()
+    for _ in range(10):
+        measured.answered("steady", "forward", 0.01)
+        measured.answered("stalled", "forward", 0.01)
+    for _ in range(5):
+        measured.failed("stalled", "forward", 12.0)  # 1200 typical calls each
+    candidates = [_answered("steady", 20.0), _answered("stalled", 20.0, measured.latency("stalled"))]
+    trickle = _counts(candidates, seed=9)["stalled"]
+    assert PICKS / (MAX_LATENCY_RATIO + 2) < trickle < PICKS / 8, trickle
+    for _ in range(16):
+        measured.answered("steady", "forward", 0.01)
+        measured.answered("stalled", "forward", 0.01)
+    candidates = [_answered("steady", 20.0), _answered("stalled", 20.0, measured.latency("stalled"))]
+    assert _counts(candidates, seed=10)["stalled"] > PICKS * 0.4

@@ -32,6 +32,12 @@ MAX_THROUGHPUT_RATIO = 4.0
 # Smoothing of measured latencies: a server gets only its share of a caller's calls, so its figure must
 # follow it within a few of them (about 1 / alpha), yet one slow call must not halve its traffic.
 LATENCY_ALPHA = 0.25
+# One call, answered or failed, counts as at most this many of the stage's typical calls. A timeout
+# taken while a server was frozen can be hundreds of times a typical call: folded in whole, it would
+# leave that server so little traffic that it never answers enough calls to earn its share back, long
+# after it recovered. Bounded, a server that keeps failing still falls to a trickle of calls (each
+# failure also bans it, for longer each time), and one that recovered is back within a few answers.
+MAX_LATENCY_RATIO = 16.0
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,8 @@ class ServerLatencies:
     A server's figure is an EWMA of its calls' seconds, each divided by the stage's typical seconds for
     the same method (an EWMA over every answer from the stage, whichever server gave it): a forward and
     a backward then weigh alike, and the figure reads "k times as slow as usual" whatever mix of methods
-    the server happened to get. Only an answer creates a server's entry, so identities that never answer
-    cost no memory here.
+    the server happened to get. Each call's ratio is bounded by MAX_LATENCY_RATIO. Only an answer creates
+    a server's entry, so identities that never answer cost no memory here.
     """
 
     def __init__(self, alpha: float = LATENCY_ALPHA) -> None:
@@ -108,6 +114,7 @@ class ServerLatencies:
         return self._relative.get(peer)
 
     def _fold(self, peer: str, ratio: float) -> None:
+        ratio = min(ratio, MAX_LATENCY_RATIO)
         old = self._relative.get(peer)
         self._relative[peer] = ratio if old is None else old + self.alpha * (ratio - old)
 
