@@ -180,7 +180,8 @@ class StageAllReduce:
         gathered = asyncio.gather(*tasks)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
-            results = await asyncio.wait_for(gathered, self.timeout)
+            async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
+                results = await gathered
         except _Unreachable as e:
             raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
         except TimeoutError as e:  # members whose part never reached us are the ones that hang
@@ -315,7 +316,8 @@ class StageAllReduce:
                 raise BadRequest(f"{NOT_READY} this replica is not at epoch {c.epoch}")
             started = self._started_event(c.epoch)
             try:
-                await asyncio.wait_for(started.wait(), self.timeout)
+                async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
+                    await started.wait()
             except TimeoutError as e:
                 raise BadRequest(f"{NOT_READY} no round for epoch {c.epoch} began here") from e
             finally:

@@ -93,7 +93,8 @@ async def watch(dht: hivemind.DHT, p2p: P2P, every: float, timeout: float, misse
         if not dht.is_alive():
             raise NetworkLost(f"the DHT process (pid {dht.pid}) exited with code {dht.exitcode}")
         try:
-            await asyncio.wait_for(p2p.list_peers(), timeout)
+            async with asyncio.timeout(timeout):  # (not wait_for, which can lose a cancellation on Python 3.11)
+                await p2p.list_peers()
             failed = 0
         except Exception as e:  # any way a probe fails counts as a miss
             failed += 1

@@ -57,7 +57,8 @@ async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: 
                     transfer.note_restored(entry.epoch)
                 return True
         try:
-            await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
+            async with asyncio.timeout(RETRY_SECONDS):  # (see Stepper.loop: wait_for can lose a cancellation)
+                await stop.wait()
         except TimeoutError:
             pass
     return False

@@ -80,8 +80,10 @@ class Stepper:
         stepping because one look went wrong."""
         st = self.stage
         while True:
-            try:
-                await asyncio.wait_for(st.wake.wait(), timeout=LOOK_EVERY)
+            try:  # (not wait_for: on Python 3.11 it loses a cancellation that comes as the event is set, and
+                # a gradient sets it many times a second; a leaving server's step loop would run on)
+                async with asyncio.timeout(LOOK_EVERY):
+                    await st.wake.wait()
             except TimeoutError:
                 pass
             st.wake.clear()
