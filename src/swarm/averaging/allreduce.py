@@ -171,7 +171,7 @@ class StageAllReduce:
         rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0], digest)
         self._started_event(epoch).set()
         # parts are views, not copies (a stage's gradient is large): nothing writes to `flat_grad` while its
-        # round runs (a sync round holds the compute gate; an async contribution is a tensor of its own)
+        # round runs (a sync round's sum was taken out of the gradients; an async contribution is its own)
         tasks = [
             asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi], samples, digest, ids or [],
                                                  receipts or []))

@@ -1,8 +1,9 @@
 """The compute gate: all of a server's torch work runs on one thread, entered one job at a time.
 
-One thread, so that requests queue instead of oversubscribing the cores; one lock (`lock`), held by a
-job from the moment it is admitted until the thread is done with it, so that a stage's step can hold
-it across its whole round and no gradient slips in between the all-reduce and the step. A request
+One thread, so that requests queue instead of oversubscribing the cores; one lock (`lock`, a
+`swarm.server.turns.TurnLock`: a stage's step goes before queued work), held by a job from the moment
+it is admitted until the thread is done with it, so that a job's ledger entry and its gradient are
+never split by a step taking the gradients out. A request
 whose caller has given up on it by the time its turn comes is dropped, not applied (the caller may be
 retrying it elsewhere).
 """
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.server.turns import TurnLock
 from swarm.wire.calls import StageCall
 from swarm.wire.validate import Unavailable
 
@@ -48,7 +50,7 @@ class ComputeGate:
         one torch thread, not held to a CPU quota), so its CPU time is what a job costs."""
         self.slowdown = slowdown
         self.cost_by_cpu = cost_by_cpu
-        self.lock = asyncio.Lock()
+        self.lock = TurnLock()  # steps go first (`lock.urgent()`): see swarm.server.turns
         self.queued = 0  # jobs waiting for the lock (announced: trainers route around long queues)
         self.busy_seconds = 0.0  # wall time the thread spent on jobs
         self.count_work: WorkCounter = lambda work, samples, seconds: None

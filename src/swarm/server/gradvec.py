@@ -39,3 +39,24 @@ def _existing_vector(params: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         offset += p.numel()
     return base if base.numel() == offset else None
+
+
+def take_vector(params: list[torch.Tensor]) -> torch.Tensor:
+    """`gradient_vector`, taken out of the parameters: their gradients start afresh, so that backwards go
+    on accumulating (for the next step) while a round all-reduces the vector."""
+    flat = gradient_vector(params)
+    for p in params:
+        p.grad = None
+    return flat
+
+
+def give_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """What `take_vector` took, back into the gradients (its round failed), beside what came meanwhile."""
+    offset = 0
+    for p in params:
+        part = flat[offset : offset + p.numel()].view_as(p).to(device=p.device, dtype=p.dtype)
+        if p.grad is None:
+            p.grad = part
+        else:
+            p.grad.add_(part)
+        offset += p.numel()

@@ -97,7 +97,7 @@ class StageHandlers:
         turned away (it retries elsewhere), and this replica catches up before it serves again."""
         epoch = st.runtime.epoch
         if stage_epoch <= epoch or st.round_epoch == epoch:
-            return  # (in a round to that epoch: the request waits for it behind the gate)
+            return  # (in a round to that epoch: served at the weights the round steps from)
         st.counters["stale_refusals"] += 1
         if st.stale_logged != epoch:
             st.stale_logged = epoch

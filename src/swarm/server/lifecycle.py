@@ -234,8 +234,9 @@ class StageServer:
         announcer, stepper, batcher, *others = jobs.tasks
         for task in (announcer, *others):
             task.cancel()
-        # a sync round holds the gate, so it finishes for the whole stage first; an async round's exchange
-        # (run without the gate) is called off, and its other replicas retry without this one
+        # a sync round under way finishes for the whole stage first; an async round's exchange is called
+        # off, and its other replicas retry without this one
+        await jobs.stepper.finish()
         async with self.gate.lock:
             stepper.cancel()
         await asyncio.gather(announcer, stepper, *others, return_exceptions=True)
@@ -276,7 +277,7 @@ class StageServer:
             # local updates between each gradient's forward and its application -> gradients
             "staleness": {str(k): n for k, n in sorted(rt.staleness.items())},
             # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
-            "ledger": {str(e): ids for e, ids in rt.ledger().items()},
+            "ledger": {str(e): ids for e, ids in rt.book.steps().items()},
             "throughput": st.work.meter.rate,
             "capacity": st.work.capacity.rate,
             "traffic": self.traffic.as_dict(),

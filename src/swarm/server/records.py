@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True, eq=False)
+class StepPart:
+    """What a replica brings to a sync round: its gradient sum, taken out of its parameters' gradients
+    (which go on accumulating for the next step while the round runs), and the microbatches it holds."""
+
+    flat: torch.Tensor
+    samples: int
+    ids: list[str]
+
+
 @dataclass(eq=False)
 class BatchGraph:
     """The autograd graph of one forward batch, awaiting its requests' output gradients."""

@@ -39,9 +39,9 @@ from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound
 from swarm.server.device import autocast_dtype, prepare
-from swarm.server.gradvec import gradient_vector
+from swarm.server.gradvec import give_back, gradient_vector, take_vector
 from swarm.server.nag import NesterovCorrection, stage_optimizer
-from swarm.server.records import BatchGraph, StepRecord
+from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
 from swarm.server.state_io import Lender, digest, export_state, import_state
 from swarm.wire.codecs import Policy, on_host
@@ -263,8 +263,16 @@ class StageRuntime:
     # ---- the optimizer step ----------------------------------------------------------------------
 
     def flat_grad(self) -> torch.Tensor:
-        """All accumulated gradients as one float32 vector on the CPU, for the stage's all-reduce."""
+        """All accumulated gradients as one float32 vector on the CPU (they stay where they are)."""
         return gradient_vector(self.params)
+
+    def begin_step(self) -> StepPart:
+        """This replica's part of a sync round; backwards go on while it runs, into the next step."""
+        return StepPart(take_vector(self.params), self.pending_samples, sorted(self.pending))
+
+    def return_part(self, own: StepPart) -> None:
+        """A failed round's part goes back, beside what accumulated meanwhile, for the next round."""
+        give_back(self.params, own.flat)
 
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
@@ -292,29 +300,26 @@ class StageRuntime:
         self._optimizer_step()
 
     def apply_step(
-        self, mean_grad: torch.Tensor, samples: int, group: int, ids: list[str] | None = None
+        self, mean_grad: torch.Tensor, samples: int, group: int, ids: list[str] | None = None,
+        own: StepPart | None = None,
     ) -> StepRecord:
         """Take the optimizer step every replica of the stage takes, from the stage's mean gradient.
-
-        `ids` are the microbatches the whole stage's step took in (this replica's own by default).
-        """
-        offset = 0
-        for p in self.params:
-            mean = mean_grad[offset : offset + p.numel()].view_as(p)
-            if p.grad is None:
-                p.grad = mean.to(device=p.device, dtype=p.dtype).clone()
-            else:  # in place: the gradient's memory (see flat_grad) takes the mean, no second copy
-                p.grad.copy_(mean)
-            offset += p.numel()
+        `ids`: the microbatches the whole stage's step took in; `own`: this replica's part of the round,
+        whose gradients accumulated since stay for the next step (without: the step takes all it holds)."""
+        taken = sorted(self.pending) if own is None else own.ids
+        ids = taken if ids is None else ids
+        meanwhile = [None if own is None else p.grad for p in self.params]
+        for p, part in zip(self.params, mean_grad.split([p.numel() for p in self.params]), strict=True):
+            p.grad = part.view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
         lr = self.lr()
         if any(g.version == self.version for g in self.graphs.values()):
             self.kept.keep()  # forwards at these weights still wait for their backwards
         norm = self._optimizer_step()
-        ids = sorted(self.pending) if ids is None else ids
-        # the network thread reads the ledger while this runs: commit first, then forget what was
-        # pending, then move the epoch, so a reader always finds a microbatch in one or the other
+        for p, grad in zip(self.params, meanwhile, strict=True):
+            p.grad = grad
+        # commit, unpend, then move the epoch: a ledger read meanwhile (network thread) finds each microbatch
         self.book.commit(ids, self.epoch + 1)
-        self.book.clear_pending()
+        self.book.unpend(taken)
         self.epoch += 1
         self.evict_stale_graphs()
         self.last_digest = self.digest()
@@ -371,10 +376,6 @@ class StageRuntime:
         return self.averaging.views()[: len(self.params)] if self.asynchronous else self.params
 
     # ---- state transfer (newcomers and stragglers) ---------------------------------------------
-
-    def ledger(self) -> dict[int, list[str]]:
-        """The microbatches of each remembered step, by the epoch it produced."""
-        return self.book.steps()
 
     def state(self) -> tuple[dict, list[torch.Tensor]]:
         """Parameters, buffers and optimizer state, flattened for the wire (see swarm.server.state_io)."""

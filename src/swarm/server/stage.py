@@ -117,8 +117,9 @@ class ServedStage:
     def drop_if_lapsed(self) -> bool:
         """A replica that stalled long enough for its DHT record to lapse has been taken for dead:
         trainers accumulate the gradients it held again elsewhere. So it drops them before anything
-        else, or they would enter a step twice. Call with the compute gate held."""
-        if not self.lapsed:
+        else, or they would enter a step twice. Call with the compute gate held. Not while a round has
+        this replica's gradients out (the stage's other replicas are summing them): after it."""
+        if not self.lapsed or self.round_epoch is not None:
             return False
         self.lapsed = False
         if not self.runtime.pending_samples:

@@ -56,7 +56,7 @@ def export_state(rt: StageRuntime) -> tuple[dict, list[torch.Tensor]]:
         for key, value in sorted(st.items()):
             opt_keys.append([index, key])
             tensors.append(rt.lent.lend(torch.as_tensor(agreed.get(id(value), value))))
-    ledger = [[epoch, ids] for epoch, ids in rt.ledger().items()]
+    ledger = [[epoch, ids] for epoch, ids in rt.book.steps().items()]
     meta = {"epoch": rt.epoch, "names": names, "opt_keys": opt_keys, "ledger": ledger, "digest": rt.last_digest}
     return meta, tensors
 

@@ -2,9 +2,10 @@
 
 Each look (every 0.25 s, or when woken: a gradient came in, a groupmate began a round, a request showed
 us stale) gathers a `StepView` from the DHT and asks the pure step plan (`swarm.core.stepping.plan_step`)
-what to do: wait, catch up from a replica further along, or step with a group. A sync step all-reduces
-the group's gradients and applies the same AdamW step on every replica, holding the compute gate for the
-whole round; an async round averages the replicas' weights while they go on serving (see
+what to do: wait, catch up from a replica further along, or step with a group. A sync step takes the
+replica's gradient sum out, all-reduces it with the group's and applies the same AdamW step on every
+replica, holding the compute gate only to take the sum out and to step (backwards go on in between, into
+the next step); an async round averages the replicas' weights while they go on serving (see
 `swarm.server.runtime`). Each step is logged as it happens, announced, and checkpointed every
 `server.checkpoint_every` steps.
 """
@@ -37,7 +38,7 @@ from swarm.net.directory import Directory, short
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.gate import ComputeGate
-from swarm.server.records import StepRecord
+from swarm.server.records import StepPart, StepRecord
 from swarm.server.stage import ServedStage
 from swarm.server.transfer import StateTransfer
 from swarm.wire.records import ServerRecord, TrainerRecord
@@ -73,6 +74,9 @@ class Stepper:
         self._records_read: tuple[float, list[ServerRecord]] = (-math.inf, [])
         self._failures = 0  # rounds failed in a row, for the backoff
         self._strikes: dict[str, int] = {}  # peer -> rounds in a row it refused our part in
+        self.finishing = False  # the server is leaving its stage: no new round starts
+        self._round_over = asyncio.Event()  # no sync round under way
+        self._round_over.set()
 
     async def loop(self) -> None:
         """Look, and act on what the plan says, until cancelled. An error, wherever it comes from (the
@@ -221,37 +225,55 @@ class Stepper:
         taken for gone meanwhile (it dropped its samples) or is no longer at that epoch. A peer that
         looks behind after this round is waited for anew."""
         st = self.stage
-        if st.drop_if_lapsed() or st.runtime.epoch != epoch:
+        if self.finishing or st.drop_if_lapsed() or st.runtime.epoch != epoch:
             return False
         st.plan = replace(st.plan, behind_since={})
         return True
 
     async def _sync_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
-        """All-reduce the stage's gradients and step, holding the gate throughout."""
+        """All-reduce the stage's gradients and step. The gate is held to take the gradients out and to
+        step, not while they travel: backwards go on meanwhile, into the next step (at the weights they
+        ran at, as a graph a step overtook does: `swarm.server.stash`). A replica whose other replicas wait
+        on its part in a round so loses no compute to them, and a slow one holds up no one but itself."""
         st = self.stage
-        async with self.gate.lock:
-            if not self._opens(epoch):
-                return None
-            st.round_epoch = epoch
+        self._round_over.clear()
+        try:
+            async with self.gate.lock.urgent():
+                if not self._opens(epoch):
+                    return None
+                st.round_epoch = epoch
+                own = await self.gate.run_locked(st.runtime.begin_step)
             try:
-                samples, ids = st.runtime.pending_samples, sorted(st.runtime.pending)
-                flat = await self.gate.run_locked(st.runtime.flat_grad)
-                mean, samples, ids = await self._reduce(epoch, group, flat, samples, ids)
-                return await self.gate.run_locked(st.runtime.apply_step, mean, samples, len(group), ids)
-            finally:
-                st.round_epoch = None
+                mean, samples, ids = await self._reduce(epoch, group, own.flat, own.samples, own.ids)
+            except BaseException:  # (cancelled too, even twice: the gradients must not be lost)
+                await asyncio.shield(self._return_part(own))
+                raise
+            async with self.gate.lock.urgent():
+                return await self.gate.run_locked(st.runtime.apply_step, mean, samples, len(group), ids, own)
+        finally:
+            st.round_epoch = None
+            self._round_over.set()
+
+    async def _return_part(self, own: StepPart) -> None:
+        async with self.gate.lock.urgent():
+            await self.gate.run_locked(self.stage.runtime.return_part, own)
+
+    async def finish(self) -> None:
+        """Start no round; let a sync round under way end, since the stage's other replicas wait on it."""
+        self.finishing = True
+        await self._round_over.wait()
 
     async def _average_round(self, epoch: int, group: tuple[str, ...]) -> StepRecord | None:
         """Average the replicas' weights (async mode); serving goes on while the deltas travel."""
         st = self.stage
-        async with self.gate.lock:
+        async with self.gate.lock.urgent():
             if not self._opens(epoch):
                 return None
             own = await self.gate.run_locked(st.runtime.begin_average)
         st.round_epoch = epoch
         try:
             mean, samples, ids = await self._reduce(epoch, group, own.contribution, own.samples, own.ids)
-            async with self.gate.lock:
+            async with self.gate.lock.urgent():
                 return await self.gate.run_locked(st.runtime.finish_average, own, mean, samples, len(group), ids)
         finally:
             st.round_epoch = None

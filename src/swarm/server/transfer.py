@@ -59,7 +59,7 @@ class StateTransfer:
                 continue
             if method == "state" and not await self._vouched(source.peer_id, meta, candidates):
                 continue
-            async with self.gate.lock:
+            async with self.gate.lock.urgent():  # (catching up: see swarm.server.turns)
                 if epoch < st.runtime.epoch + (0 if force else 1):
                     return False
                 lost = st.runtime.pending_samples

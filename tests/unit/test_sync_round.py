@@ -1,0 +1,92 @@
+"""A sync round takes a replica's gradients out (`begin_step`) and steps on the stage's mean when the
+all-reduce is over (`apply_step(..., own)`), while backwards go on in between: what they accumulate is
+left for the next step, with its ledger entries; a round that fails gives its part back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from tests.unit.test_runtime import accumulate, assert_within, flat, hidden, runtime, tiny_cfg
+from tests.unit.test_server_parts import CFG, ID, call, last_stage_request, served
+
+from swarm.averaging.allreduce import RoundResult
+from swarm.model import load_stages
+from swarm.server.gate import ComputeGate
+from swarm.server.stepping import Stepper
+
+
+def twins(n: int = 2):
+    stage = load_stages(tiny_cfg())[1]
+    return [runtime(stage) for _ in range(n)]
+
+
+def test_backwards_during_a_round_go_into_the_next_step_and_the_step_is_the_rounds() -> None:
+    rt, reference, alone = twins(3)
+    samples = accumulate(rt, seed=1)
+    assert accumulate(reference, seed=1) == samples
+
+    own = rt.begin_step()
+    assert own.samples == samples and own.ids == sorted(rt.pending)
+    assert not rt.flat_grad().any()  # taken out: backwards start afresh
+    rt.backward("during", hidden(2, seed=2), hidden(2, seed=3))  # while the round travels
+    assert rt.pending_samples == samples + 2
+
+    record = rt.apply_step(own.flat / samples, samples, group=1, own=own)
+    reference.apply_step(reference.flat_grad() / samples, samples, group=1)
+    assert torch.equal(flat(rt.params), flat(reference.params))  # the step is the round's alone
+    assert record.ids == own.ids and rt.pending == {"during": 2} and rt.pending_samples == 2
+    assert rt.committed == dict.fromkeys(own.ids, 1) and rt.accumulates("during") is False
+
+    alone.backward("during", hidden(2, seed=2), hidden(2, seed=3))  # at the weights before the step
+    assert rt.flat_grad().any()
+    assert_within(rt.flat_grad(), alone.flat_grad(), 1e-6)
+
+
+def test_a_failed_round_gives_its_part_back_beside_what_came_meanwhile() -> None:
+    rt, reference = twins()
+    accumulate(rt, seed=4)
+    accumulate(reference, seed=4)
+    own = rt.begin_step()
+    rt.backward("during", hidden(2, seed=5), hidden(2, seed=6))
+    rt.return_part(own)
+    reference.backward("during", hidden(2, seed=5), hidden(2, seed=6))
+    assert_within(rt.flat_grad(), reference.flat_grad(), 1e-6)
+    assert rt.pending == reference.pending
+
+
+class HeldReduce:
+    """A stage all-reduce whose other member answers only once `release` is set."""
+
+    def __init__(self) -> None:
+        self.started, self.release = asyncio.Event(), asyncio.Event()
+
+    async def run(self, epoch, group, flat, samples, digest, ids, receipts) -> RoundResult:
+        self.started.set()
+        await self.release.wait()
+        return RoundResult(flat / samples, samples, ids)
+
+
+def test_a_server_computes_while_its_round_waits_on_the_group_and_steps_on_the_round_alone() -> None:
+    async def scenario() -> None:
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(1, gate)
+        await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
+        reduce = HeldReduce()
+        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, reduce, None, None, None, "", None)
+        round_ = asyncio.create_task(stepper._sync_round(0, ("QmMe", "QmOther")))
+        await asyncio.wait_for(reduce.started.wait(), 5.0)
+        # the round waits on its group, and the gate serves a new microbatch meanwhile
+        await asyncio.wait_for(handlers.forward(call(req="r2"), last_stage_request(), ID["caller"]), 5.0)
+        assert st.runtime.epoch == 0 and st.runtime.pending_samples == 4
+        leaving = asyncio.create_task(stepper.finish())  # a server leaving lets the round end first
+        await asyncio.sleep(0.05)
+        assert not leaving.done()
+        reduce.release.set()
+        record = await round_
+        await asyncio.wait_for(leaving, 5.0)
+        assert record.epoch == 1 and record.ids == [f"{ID['caller']}/r1"]
+        assert st.runtime.pending == {f"{ID['caller']}/r2": 2} and st.round_epoch is None
+        assert await stepper._sync_round(1, ("QmMe",)) is None  # finishing: no new round
+
+    asyncio.run(scenario())
