@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 from swarm.core.stepping import (
+    GROUPMATE_GRACES,
     CatchUp,
     PlanMemory,
     Replica,
@@ -55,6 +56,22 @@ def test_a_peer_that_looks_one_epoch_behind_is_waited_for_then_left_out_after_th
                               view(GRACE + 0.1, late, pending=32))
     assert decisions == [Wait(), Wait(), Step(("me",))]
     assert memory.behind_since == {"b": 0.0}
+
+
+def test_a_member_of_the_round_that_took_us_here_is_waited_for_longer():
+    """It holds that round's result and is stepping, after the job it is running (a slow one's, seconds);
+    a peer that looks behind but was not in that round is left out after one grace."""
+    memory = PlanMemory(groupmates=(3, frozenset({"mate"})))
+    mate, other = Replica("mate", 2, 0), Replica("other", 2, 0)
+    longest = GROUPMATE_GRACES * GRACE
+    decisions, _ = looks(view(0.0, mate, pending=32), view(GRACE + 0.1, mate, pending=32),
+                         view(longest - 0.1, mate, pending=32), view(longest + 0.1, mate, pending=32), memory=memory)
+    assert decisions == [Wait(), Wait(), Wait(), Step(("me",))]
+    decisions, _ = looks(view(0.0, other, pending=32), view(GRACE + 0.1, other, pending=32), memory=memory)
+    assert decisions == [Wait(), Step(("me",))]
+    stale = PlanMemory(groupmates=(2, frozenset({"mate"})))  # a round to an older epoch: one grace
+    decisions, _ = looks(view(0.0, mate, pending=32), view(GRACE + 0.1, mate, pending=32), memory=stale)
+    assert decisions == [Wait(), Step(("me",))]
 
 
 def test_a_peer_caught_up_in_time_steps_with_us():

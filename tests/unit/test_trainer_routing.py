@@ -81,11 +81,13 @@ def test_a_server_that_answered_then_times_out_loses_its_weight():
     whole timeout, it is banned (as before), and once the ban is over it gets a small share."""
     client = _FakeClient({"honest": 0.002, "liar": 0.002})
     trainer = _trainer("wrr", (("honest", 1.0), ("liar", 1e6)), client, "trainer.ban_seconds=0.0")
+    answered: list[float] = []  # the liar's figure after its one answer (about 1: as fast as the stage)
 
     async def calls() -> None:
         for i in range(4):
             await trainer.call(0, "forward", f"h{i}", [torch.zeros(1)], prefer="honest")
         await trainer.call(0, "forward", "l0", [torch.zeros(1)], prefer="liar")
+        answered.append(trainer.measured[0].latency("liar"))
         client.failing.add("liar")
         served = await trainer.call(0, "forward", "l1", [torch.zeros(1)], prefer="liar")
         assert served.peer == "honest"
@@ -93,7 +95,8 @@ def test_a_server_that_answered_then_times_out_loses_its_weight():
     asyncio.run(calls())
     assert client.calls["liar"] >= 2 and trainer.retries >= 1
     # a 5 s timeout against calls of a few ms counts as the most one call may: MAX_LATENCY_RATIO typical ones
-    assert trainer.measured[0].latency("liar") == pytest.approx(1 + LATENCY_ALPHA * (MAX_LATENCY_RATIO - 1), rel=0.01)
+    (before,) = answered
+    assert trainer.measured[0].latency("liar") == pytest.approx(before + LATENCY_ALPHA * (MAX_LATENCY_RATIO - before))
     picks = Counter(trainer.pick(0, None) for _ in range(100))
     assert 10 <= picks["liar"] <= 20, picks  # 4 / (4 x 4.75) against 1: from 80% of the picks to a sixth
 
@@ -145,3 +148,37 @@ def test_a_calls_timeout_counts_the_requests_queued_ahead_of_it():
     assert trainer._stage_call(0, "forward", "r", False, "b", 1).timeout == 12.0
     trainer.inflight["a"] = 40
     assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 30.0
+
+
+def test_backwards_owed_to_a_server_count_in_its_load_until_they_are_sent():
+    """A server that ran forwards still owes their backwards (it keeps the graphs): routing weighs it as
+    loaded by them, as by calls outstanding there, until each backward is sent."""
+    trainer = _trainer("wrr", (("a", 1.0), ("b", 1.0)))
+    for peer in ("a", "b"):
+        trainer.measured[0].answered(peer, "forward", 0.1)
+    assert Counter(trainer.pick(0, None) for _ in range(100)) == {"a": 50, "b": 50}
+    for _ in range(3):
+        trainer.owe("a")
+    assert Counter(trainer.pick(0, None) for _ in range(100)) == {"a": 20, "b": 80}  # 1/4 against 1
+    for _ in range(3):
+        trainer.repay("a")
+    assert trainer.owed == {}
+    assert Counter(trainer.pick(0, None) for _ in range(100)) == {"a": 50, "b": 50}
+
+
+def test_a_server_is_measured_per_request_it_served_not_per_call():
+    """Routing keeps a fast server busy, so its calls wait behind ours: five times as long with four of
+    ours ahead, as long as a server five times slower takes idle. It must not read as slow for that."""
+    client = _FakeClient({"busy": 0.05, "idle": 0.01, "slow": 0.05})
+    trainer = _trainer("wrr", (("busy", 1.0), ("idle", 1.0), ("slow", 1.0)), client)
+
+    async def calls() -> None:
+        for i in range(8):
+            for peer in ("busy", "idle", "slow"):
+                trainer.inflight["busy"] = 4 if peer == "busy" else 0  # four of ours ahead of it
+                await trainer.call(0, "forward", f"r{peer}{i}", [torch.zeros(1)], prefer=peer)
+
+    asyncio.run(calls())
+    measured = trainer.measured[0]
+    assert measured.latency("busy") == pytest.approx(measured.latency("idle"), rel=0.5)
+    assert measured.latency("slow") > 3 * measured.latency("busy")

@@ -47,7 +47,7 @@ class Candidate:
     peer_id: str
     throughput: float  # samples/s the server announced
     queue: int = 0  # requests waiting at the server, as announced
-    inflight: int = 0  # requests this caller has outstanding there
+    inflight: int = 0  # requests this caller has outstanding there (and backwards it will send there)
     latency: float | None = None  # measured by this caller (see ServerLatencies); None: it never answered us
 
 
@@ -78,7 +78,8 @@ class ServerLatencies:
     when idle), dividing the slower one's weight moves calls to the others until their latencies rise to
     meet it, so a caller's calls wait about as long wherever they go.
 
-    A server's figure is an EWMA of its calls' seconds, each divided by the stage's typical seconds for
+    A server's figure is an EWMA of its calls' seconds (per request the call waited behind there: the
+    caller divides, see `swarm.trainer.calls`), each divided by the stage's typical seconds for
     the same method (an EWMA over every answer from the stage, whichever server gave it): a forward and
     a backward then weigh alike, and the figure reads "k times as slow as usual" whatever mix of methods
     the server happened to get. Each call's ratio is bounded by MAX_LATENCY_RATIO. Only an answer creates

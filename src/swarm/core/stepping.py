@@ -13,6 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 MAX_WAITS = 2  # graces a replica waits, step after step, for a peer that looks behind and never catches up
+# graces a replica waits for a member of the round that took it to its epoch, which looks one step behind:
+# that peer holds the round's result and is stepping, but a slow one steps only after the job it is running
+# (rounds let replicas compute while the parts travel), seconds on a slow machine; waiting costs nothing,
+# since gradients go on accumulating meanwhile, while stepping without it would make it download the state
+GROUPMATE_GRACES = 3
 
 
 def stage_ready(own_samples: int, peer_samples: Mapping[str, int], target_batch_size: int) -> bool:
@@ -66,6 +71,8 @@ class PlanMemory:
     stragglers: Mapping[str, int] = field(default_factory=dict)  # peer -> graces it made us wait in vain
     # peers whose state could not be had (download failed, or unusable): peer -> (until, epoch it claimed)
     unproven: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    # the other members of the round that took us to an epoch: (that epoch, them); see GROUPMATE_GRACES
+    groupmates: tuple[int, frozenset[str]] = (-1, frozenset())
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,8 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
 
     A replica never steps on a partial view: a peer that looks one epoch behind is usually just late to
     announce the step it took with us, so it is waited for, and left out only once it has looked behind
-    for `grace` (it is then catching up by downloading state, and would refuse the round anyway).
+    for `grace` (it is then catching up by downloading state, and would refuse the round anyway); one that
+    was in the round that took us to our epoch, GROUPMATE_GRACES times as long.
     Likewise a replica steps alone only after it has seen no other replica for `grace`: a peer that
     started with it may not have announced itself yet; and never while it sees no trainer either (it is
     more likely cut off from the swarm than its stage's last replica). A suspect (a peer that failed a
@@ -130,7 +138,9 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     behind_since = {r.peer: memory.behind_since.get(r.peer, now) for r in in_view if r.epoch < view.epoch}
     # a peer that made us wait out the grace MAX_WAITS times without ever catching up is waited for no more
     memory = replace(memory, behind_since=behind_since)
-    if any(now - since < view.grace for p, since in behind_since.items() if stragglers.get(p, 0) < MAX_WAITS):
+    stepping = memory.groupmates[1] if memory.groupmates[0] == view.epoch else frozenset()
+    if any(now - since < view.grace * (GROUPMATE_GRACES if p in stepping else 1)
+           for p, since in behind_since.items() if stragglers.get(p, 0) < MAX_WAITS):
         return Wait(), memory
     if behind_since:  # stepping without them: each has cost us a grace
         memory = replace(memory, stragglers={**stragglers, **{p: stragglers.get(p, 0) + 1 for p in behind_since}})

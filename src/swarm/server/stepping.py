@@ -106,7 +106,9 @@ class Stepper:
             if isinstance(decision, CatchUp):
                 await self._catch_up([r for r in records if r.peer_id in decision.sources])
             elif isinstance(decision, Step):
-                await self._step(st.runtime.epoch, decision.group)
+                if await self._step(st.runtime.epoch, decision.group):
+                    mates = frozenset(decision.group) - {self.peer_id}
+                    st.plan = replace(st.plan, groupmates=(st.runtime.epoch, mates))
                 self._records_read = (-math.inf, [])  # the group's records moved on with it
                 self._failures = 0
                 self._strikes.clear()
@@ -196,12 +198,13 @@ class Stepper:
         if not ours:
             await self.transfer.download([r for r in records if r.peer_id == keeper], force=True)
 
-    async def _step(self, epoch: int, group: tuple[str, ...]) -> None:
+    async def _step(self, epoch: int, group: tuple[str, ...]) -> bool:
+        """Whether the stage stepped (or averaged): not if the round did not open here."""
         st = self.stage
         round_ = self._average_round if st.runtime.asynchronous else self._sync_round
         record = await round_(epoch, group)
         if record is None:
-            return
+            return False
         st.steps.append(record)
         self.results.append(self.steps_file, asdict(record))
         if record.group > 1 and st.checkpoints is None:  # with checkpoints, only the disk counts
@@ -219,6 +222,7 @@ class Stepper:
         await self.announcer.announce()
         if st.checkpoints is not None and record.epoch % self.checkpoint_every == 0:
             await self.transfer.checkpoint()
+        return True
 
     def _opens(self, epoch: int) -> bool:
         """Whether the round for `epoch` goes ahead (call with the gate held): not if this replica was

@@ -75,6 +75,9 @@ class StageCaller:
                         for m in ("forward", "backward", "evaluate")}
         self.measured = [ServerLatencies() for _ in range(view.num_stages)]  # per server, to check announcements
         self.inflight: dict[str, int] = {}
+        # backwards that will come to a server (it ran their forwards and keeps the graphs): its load as much
+        # as the calls outstanding there, since on a slow server the backward is most of a microbatch's work
+        self.owed: dict[str, int] = {}
         self._calls: dict[tuple[int, str], set[asyncio.Task]] = {}  # (stage, server) -> our calls waiting on it
         self._abandoned: set[asyncio.Task] = set()
         self.retries = 0
@@ -87,12 +90,23 @@ class StageCaller:
             return prefer
         measured = self.measured[stage]
         candidates = [  # a server on its way to another stage takes no new work
-            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0), measured.latency(r.peer_id))
+            Candidate(r.peer_id, r.throughput, r.queue, self.inflight.get(r.peer_id, 0) + self.owed.get(r.peer_id, 0),
+                      measured.latency(r.peer_id))
             for r in live.values() if not r.moving
         ]
         if self.tc.routing == "wrr":
             return self.round_robin[stage].pick(candidates, self.bans.banned(now))
         return choose_server(candidates, self.rng, self.bans.banned(now))
+
+    def owe(self, peer: str) -> None:
+        """`peer` ran a forward whose backward will come to it: counted in its load until `repay`."""
+        self.owed[peer] = self.owed.get(peer, 0) + 1
+
+    def repay(self, peer: str) -> None:
+        """The backward `owe` counted is on its way (counted in flight from here), or will not come."""
+        self.owed[peer] -= 1
+        if not self.owed[peer]:
+            del self.owed[peer]
 
     async def call(self, stage: int, method: str, req: str, tensors: list[torch.Tensor], prefer: str | None = None,
                    accumulating: bool = False) -> Served:
@@ -136,14 +150,22 @@ class StageCaller:
         tc = self.tc
         latency = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
                                                       tc.request_timeout)
-        announced = next((r.queue for r in self.view.servers[stage] if r.peer_id == peer), 0)
-        timeout = min(latency * (1 + max(self.inflight.get(peer, 0), announced)), tc.request_timeout)
+        timeout = min(latency * (1 + self._ahead(stage, peer)), tc.request_timeout)
         deadline = time.time() + timeout + tc.request_timeout / 2
         epoch = self.view.live_epoch(stage, ignore=self.bans.failing())
         receipt = self.sign(req, stage, peer, samples) if accumulate and self.sign is not None else ""
         return StageCall(req, stage, self.hash, epoch, timeout, deadline, accumulate, receipt)
 
+    def _ahead(self, stage: int, peer: str) -> int:
+        """Requests queued at `peer` ahead of a call sent now: ours in flight there, or the queue it
+        announced (other callers' too, as of its last announcement), whichever is longer."""
+        announced = next((r.queue for r in self.view.servers[stage] if r.peer_id == peer), 0)
+        return max(self.inflight.get(peer, 0), announced)
+
     async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[torch.Tensor]):
+        # a call's seconds count against the server per request it had to serve (its queue and ours): a
+        # fast server that routing keeps busy answers as late as a slow idle one, and must not look slow
+        per_request = 1 + self._ahead(call.stage, peer)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         started = time.perf_counter()
         waiting = asyncio.ensure_future(
@@ -165,7 +187,7 @@ class StageCaller:
             key = f"{call.stage}/{method}"
             self.call_seconds[key] = self.call_seconds.get(key, 0.0) + elapsed
         self.latency[call.stage, method].observe(elapsed)
-        self.measured[call.stage].answered(peer, method, elapsed)
+        self.measured[call.stage].answered(peer, method, elapsed / per_request)
         return reply
 
     def abandon_gone(self) -> None:
@@ -214,7 +236,7 @@ class StageCaller:
         weight in routing as well as its turn (see `swarm.core.routing.ServerLatencies`). A broken
         connection repeated on the same server is neither, until the repeat fails too."""
         self.bans.ban(peer, time.monotonic())
-        self.measured[stage].failed(peer, method, max(waited, call.timeout))
+        self.measured[stage].failed(peer, method, max(waited, call.timeout) / (1 + self._ahead(stage, peer)))
 
     async def _wait_for_server(self, stage: int) -> None:
         servers = self.view.servers[stage]

@@ -189,6 +189,14 @@ class Trainer:
         self.draining = True
 
     async def _microbatch(self, batch: torch.Tensor, piece: Piece) -> None:
+        owed: list[str] = []  # servers that ran this microbatch's forwards, whose backwards are still to come
+        try:
+            await self._through_stages(batch, piece, owed)
+        finally:
+            for peer in owed:
+                self.caller.repay(peer)
+
+    async def _through_stages(self, batch: torch.Tensor, piece: Piece, owed: list[str]) -> None:
         inputs, targets = split_inputs_targets(batch, self.table.pad_id)
         req = f"{next(self._ids)}@{piece.label}"  # unique per trainer, and says which samples it carries
         last = self.num_stages - 1
@@ -198,6 +206,8 @@ class Trainer:
             for k in range(last):
                 served = await call(k, "forward", req, [x])
                 path.append((served.peer, x))
+                self.caller.owe(served.peer)
+                owed.append(served.peer)
                 x = served.tensors[0]
         except MicrobatchFailed as e:  # nothing was accumulated yet: the batch is retried whole
             self.failed += 1
@@ -220,6 +230,7 @@ class Trainer:
             loss, epoch, grads = float(served.meta["loss"]), int(served.meta["epoch"]), served.tensors
             for k in reversed(range(last)):
                 peer, x_k = path[k]
+                self.caller.repay(owed.pop())  # (this stage's: the last one left)
                 served = await call(k, "backward", req, [x_k, grads[0]], prefer=peer, accumulating=True)
                 keep(req, k, "backward", [x_k, grads[0]], served)
                 grads = served.tensors
