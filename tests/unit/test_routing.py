@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -75,6 +76,17 @@ def test_load_lowers_share(load):
     assert loaded["a"] < idle["a"] - 0.2
     # 1 / (1 + 3) of b's weight: a gets 1/5 of the picks.
     assert loaded["a"] == pytest.approx(0.2, abs=0.02)
+
+
+def test_load_counts_in_time_so_that_a_slow_server_holds_no_more_than_its_share():
+    """A request queued at a server three times slower than another is worth three of the other's.
+    Holding work worth the same time, the two draw in proportion to their throughput; holding the same
+    number of requests (what counting requests settles at), the slow one draws less than that."""
+    fast, slow = _answered("fast", 3.0), _answered("slow", 1.0)
+    same_time = _shares([replace(fast, inflight=3), replace(slow, inflight=1)])
+    assert same_time["slow"] == pytest.approx(1 / 4, abs=0.02)
+    same_count = _shares([replace(fast, inflight=2), replace(slow, queue=2)])
+    assert same_count["slow"] == pytest.approx((1 / 3) / (1 / 3 + 3 / (1 + 2 / 3)), abs=0.02)  # not 1/4
 
 
 def test_newcomer_without_throughput_is_measured():

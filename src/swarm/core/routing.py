@@ -65,6 +65,7 @@ class Yardsticks:
     # announces k times less and takes k times longer, so its product is the stage's; one slower than
     # its announcement claims has a larger one
     claim: float | None = None
+    typical: float | None = None  # the stage's typical announced throughput (see `typical_throughput`)
 
 
 class ServerLatencies:
@@ -163,6 +164,7 @@ def yardsticks(candidates: Sequence[Candidate]) -> Yardsticks:
     unanswered = sum(c.latency is None for c in candidates)
     answered = len(candidates) - unanswered
     sticks = Yardsticks(
+        typical=typical,
         unannounced=unmeasured_throughput(candidates),
         cap=throughput_cap(candidates),
         unanswered_cap=math.inf if typical is None else typical / (max(unanswered, 1) if answered else 1),
@@ -185,12 +187,20 @@ def routing_weight(c: Candidate, sticks: Yardsticks = Yardsticks()) -> float:
     """The credited throughput (see `_credited`), discounted by load and, for a server measured slower
     than the stage's median, divided by how much slower it is than its announcement implies (k times
     the stage's `claim`; k times the median latency where no claim is known). Measured faster, or as
-    slow as it said, it keeps its share: latency only discounts, and only a claim it does not live up to."""
+    slow as it said, it keeps its share: latency only discounts, and only a claim it does not live up to.
+
+    The load is counted in time, not in requests: each request queued there (announced, or ours in
+    flight) as the typical server's requests it is worth at this server's rate. Counted in requests, a
+    server k times slower would be sent work until it held as many requests as the others, each taking
+    it k times as long: a call sent there waits k times longer, and so does the end of a run for the
+    work left there. Counted in time, draws settle where a request waits as long everywhere."""
     rate = _credited(c, sticks)
     if sticks.latency is not None and _is_latency(c.latency) and c.latency > sticks.latency:
         k = c.latency / sticks.latency if not sticks.claim else c.latency * rate / sticks.claim
         rate /= max(1.0, k)
-    return max(rate, _MIN_WEIGHT) / (1 + max(c.queue, 0) + max(c.inflight, 0))
+    rate = max(rate, _MIN_WEIGHT)
+    per_request = sticks.typical / rate if sticks.typical else 1.0  # in the typical server's requests
+    return rate / (1 + (max(c.queue, 0) + max(c.inflight, 0)) * per_request)
 
 
 def choose_server(
