@@ -12,6 +12,7 @@ from tests.unit.test_runtime import OPTIM, assert_within, flat, hidden, over_the
 
 from swarm.config import OptimConfig
 from swarm.model import load_stages
+from swarm.server.gradvec import gradient_vector
 from swarm.server.runtime import StageRuntime
 
 ASYNC = dataclasses.replace(OPTIM, mode="async")
@@ -58,7 +59,7 @@ def test_each_microbatch_is_a_local_adamw_update_on_its_mean_gradient() -> None:
     assert_within(flat(rt.params), adamw_step(stage, grads / 3, lr), 1e-6)
     assert rt.version == 1 and rt.epoch == 0
     assert rt.pending == {"mb": 3} and rt.pending_samples == 3  # held until the stage averages it
-    assert not rt.flat_grad().any()  # nothing waits in p.grad for a step
+    assert not gradient_vector(rt.params).any()  # nothing waits in p.grad for a step
     assert rt.staleness == {0: 1}
 
 

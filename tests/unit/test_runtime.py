@@ -18,6 +18,7 @@ from swarm.core.schedule import warmup_lr
 from swarm.data import BYTE_PAD_ID, split_inputs_targets
 from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import decode, encode
+from swarm.server.gradvec import gradient_vector
 from swarm.server.runtime import LEDGER_EPOCHS, StageRuntime
 from swarm.wire.validate import IGNORE_INDEX
 
@@ -101,7 +102,7 @@ def test_pipeline_gradients_equal_the_composed_model(n_layers: int, num_stages: 
     assert loss == pytest.approx(ref_loss.item(), abs=1e-6)
     for rt, ref_stage in zip(runtimes, reference.stages, strict=True):
         expected = torch.cat([p.grad.reshape(-1) for p in ref_stage.parameters()]) * inputs.shape[0]
-        assert_within(rt.flat_grad(), expected, 1e-5)
+        assert_within(gradient_vector(rt.params), expected, 1e-5)
         assert rt.pending_samples == 3
     assert [rt.fast_backwards for rt in runtimes[:-1]] == [1] * (num_stages - 1)
     assert all(rt.recomputed_backwards == 0 for rt in runtimes)
@@ -110,7 +111,7 @@ def test_pipeline_gradients_equal_the_composed_model(n_layers: int, num_stages: 
 def test_flat_grad_is_zero_before_any_backward() -> None:
     stage = load_stages(tiny_cfg())[1]
     rt = runtime(stage)
-    grad = rt.flat_grad()
+    grad = gradient_vector(rt.params)
     assert grad.dtype == torch.float32
     assert grad.numel() == sum(p.numel() for p in stage.parameters())
     assert not grad.any()
@@ -141,8 +142,8 @@ def test_fast_backward_equals_recomputed_backward(index: int) -> None:
         assert grad_fast is not None and grad_slow is not None
         assert grad_fast.shape == x.shape
         assert_within(grad_fast, grad_slow, 1e-6)
-    assert fast.flat_grad().any()
-    assert_within(fast.flat_grad(), slow.flat_grad(), 1e-6)
+    assert gradient_vector(fast.params).any()
+    assert_within(gradient_vector(fast.params), gradient_vector(slow.params), 1e-6)
 
 
 def test_a_repeated_microbatch_gets_its_input_gradient_but_is_not_accumulated_again() -> None:
@@ -152,18 +153,18 @@ def test_a_repeated_microbatch_gets_its_input_gradient_but_is_not_accumulated_ag
     x, grad_out = hidden(2, seed=3), hidden(2, seed=4)
     rt.forward([("r", x)])
     first = rt.backward("r", x, grad_out)
-    once = rt.flat_grad()
+    once = gradient_vector(rt.params)
     assert rt.pending == {"r": 2} and not rt.accumulates("r")
     second = rt.backward("r", x, grad_out)
     assert (rt.fast_backwards, rt.recomputed_backwards, rt.duplicates) == (1, 0, 1)
     assert rt.pending_samples == 2
     assert_within(second, first, 1e-5)
-    assert torch.equal(rt.flat_grad(), once)
+    assert torch.equal(gradient_vector(rt.params), once)
 
-    record = rt.apply_step(rt.flat_grad() / 2, 2, group=1)
+    record = rt.apply_step(gradient_vector(rt.params) / 2, 2, group=1)
     assert record.ids == ["r"] and rt.committed == {"r": 1} and rt.pending == {}
     rt.backward("r", x, grad_out)  # committed: still not accumulated
-    assert rt.pending_samples == 0 and not rt.flat_grad().any() and rt.duplicates == 2
+    assert rt.pending_samples == 0 and not gradient_vector(rt.params).any() and rt.duplicates == 2
 
 
 def test_backward_without_accumulating_leaves_parameter_gradients_alone() -> None:
@@ -173,7 +174,7 @@ def test_backward_without_accumulating_leaves_parameter_gradients_alone() -> Non
     expected = plain.backward("r", x, grad_out)
     got = probe.backward("r", x, grad_out, accumulate=False)
     assert_within(got, expected, 1e-5)
-    assert probe.pending == {} and not probe.flat_grad().any()
+    assert probe.pending == {} and not gradient_vector(probe.params).any()
     assert probe.accumulates("r")  # a later replay of it is accumulated
 
 
@@ -182,13 +183,13 @@ def test_last_stage_duplicate_reports_the_loss_and_input_gradient_only() -> None
     rt = runtime(stage)
     x, targets = hidden(2, seed=7), batch(2, seed=8)[1]
     loss, grad = rt.forward_backward_last("m", x, targets)
-    once = rt.flat_grad()
+    once = gradient_vector(rt.params)
     again, grad_again = rt.forward_backward_last("m", x, targets)
     _, grad_only = rt.forward_backward_last("other", x, targets, accumulate=False)
     assert again == pytest.approx(loss) and rt.duplicates == 2
     assert_within(grad_again, grad, 1e-5)
     assert_within(grad_only, grad, 1e-5)
-    assert torch.equal(rt.flat_grad(), once) and rt.pending == {"m": 2}
+    assert torch.equal(gradient_vector(rt.params), once) and rt.pending == {"m": 2}
 
 
 def test_batched_backward_accumulates_only_new_microbatches() -> None:
@@ -198,14 +199,14 @@ def test_batched_backward_accumulates_only_new_microbatches() -> None:
     x1, x2, g1, g2 = hidden(1, seed=9), hidden(2, seed=10), hidden(1, seed=11), hidden(2, seed=12)
     ref.backward("a", x1, g1)
     rt.backward("a", x1, g1)
-    rt.apply_step(rt.flat_grad(), 1, group=1)
-    ref.apply_step(ref.flat_grad(), 1, group=1)
+    rt.apply_step(gradient_vector(rt.params), 1, group=1)
+    ref.apply_step(gradient_vector(ref.params), 1, group=1)
     rt.forward([("a", x1), ("b", x2)])
     results = rt.backward_batch(rt.graphs["a"], {"a": g1, "b": g2})
     expected_b = ref.backward("b", x2, g2)
     assert rt.pending == {"b": 2} and rt.duplicates == 1
     assert_within(results["b"], expected_b, 1e-5)
-    assert_within(rt.flat_grad(), ref.flat_grad(), 1e-5)
+    assert_within(gradient_vector(rt.params), gradient_vector(ref.params), 1e-5)
     assert results["a"].shape == x1.shape
 
 
@@ -241,7 +242,7 @@ def test_batched_forward_equals_separate_requests(index: int) -> None:
     if index == 1:
         assert_within(back1, ref_back1, 1e-6)
         assert_within(back2, ref_back2, 1e-6)
-    assert_within(merged.flat_grad(), separate.flat_grad(), 1e-5)
+    assert_within(gradient_vector(merged.params), gradient_vector(separate.params), 1e-5)
     assert merged.fast_backwards == separate.fast_backwards == 2
     assert merged.recomputed_backwards == 0
     assert merged.pending_samples == separate.pending_samples == 5
@@ -284,7 +285,7 @@ def test_apply_step_is_adamw_on_the_mean_gradient() -> None:
     samples = accumulate(rt, seed=10) + accumulate(rt, seed=11, size=2)
     assert rt.pending_samples == samples
     rt.forward([("kept", hidden(2, seed=12))])  # a graph built at epoch 0
-    mean = rt.flat_grad() / samples
+    mean = gradient_vector(rt.params) / samples
 
     record = rt.apply_step(mean, samples, group=2)
 
@@ -298,7 +299,7 @@ def test_apply_step_is_adamw_on_the_mean_gradient() -> None:
     assert record.grad_norm == pytest.approx(norm, rel=1e-6)
     assert record.digest == rt.digest()
     assert rt.pending_samples == 0
-    assert not rt.flat_grad().any()
+    assert not gradient_vector(rt.params).any()
     assert list(rt.graphs) == ["kept"] and rt.kept.holds(0)
 
     # The graph from epoch 0 outlives the step: its backward is the exact gradient at the weights its
@@ -308,7 +309,7 @@ def test_apply_step_is_adamw_on_the_mean_gradient() -> None:
     grad = rt.backward("kept", x, g)
     assert (rt.fast_backwards, rt.recomputed_backwards) == (1, 2)
     assert_within(grad, at_forward.backward("other", x, g), 0.0)
-    assert_within(rt.flat_grad(), at_forward.flat_grad(), 0.0)
+    assert_within(gradient_vector(rt.params), gradient_vector(at_forward.params), 0.0)
     assert rt.pending == {"kept": 2} and rt.graphs == {} and not rt.kept.holds(0)
 
 
@@ -318,7 +319,7 @@ def test_apply_step_clips_to_the_configured_norm() -> None:
     stage = load_stages(tiny_cfg())[1]
     probe = runtime(stage)
     samples = accumulate(probe, seed=20)
-    natural = float(probe.flat_grad().div(samples).norm())
+    natural = float(gradient_vector(probe.params).div(samples).norm())
     optim = OptimConfig(
         lr=OPTIM.lr, betas=OPTIM.betas, weight_decay=OPTIM.weight_decay, warmup_steps=4, clip_grad_norm=1e-6
     )
@@ -328,7 +329,7 @@ def test_apply_step_clips_to_the_configured_norm() -> None:
     means, records = [], []
     for step in range(2):
         samples = accumulate(rt, seed=20 + step)
-        means.append(rt.flat_grad() / samples)
+        means.append(gradient_vector(rt.params) / samples)
         records.append(rt.apply_step(means[-1], samples, group=1))
 
     clipped, norms = reference_steps(stage, means, optim)
@@ -347,7 +348,7 @@ def test_discard_gradients_forgets_everything_accumulated() -> None:
     rt.forward([("kept", hidden(2, seed=31))])
     assert rt.discard_gradients() == 3
     assert rt.pending_samples == 0
-    assert not rt.flat_grad().any()
+    assert not gradient_vector(rt.params).any()
     assert rt.graphs == {}
     assert rt.epoch == 0
 
@@ -358,7 +359,7 @@ def test_discard_gradients_forgets_everything_accumulated() -> None:
 def train_steps(rt: StageRuntime, seeds: list[int]) -> None:
     for seed in seeds:
         samples = accumulate(rt, seed)
-        rt.apply_step(rt.flat_grad() / samples, samples, group=1)
+        rt.apply_step(gradient_vector(rt.params) / samples, samples, group=1)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "nag", "nag-raw"])
@@ -380,7 +381,7 @@ def test_loaded_state_reproduces_the_next_step_bit_for_bit(optimizer: str) -> No
 
     assert newcomer.epoch == source.epoch == 2
     assert newcomer.digest() == source.digest()
-    assert newcomer.pending_samples == 0 and not newcomer.flat_grad().any()
+    assert newcomer.pending_samples == 0 and not gradient_vector(newcomer.params).any()
     assert newcomer.committed == source.committed and len(source.committed) == 2  # the ledger travels too
 
     for rt in (source, newcomer):
@@ -398,15 +399,15 @@ def test_flat_grad_takes_the_gradients_in_without_a_copy() -> None:
     rt, reference = runtime(stage), runtime(stage)
     for r in (rt, reference):
         accumulate(r, seed=50)
-    vector = rt.flat_grad()
+    vector = gradient_vector(rt.params)
     assert all(p.grad._base is vector for p in rt.params)
-    assert rt.flat_grad() is vector  # a round that failed is retried on the same memory
+    assert gradient_vector(rt.params) is vector  # a round that failed is retried on the same memory
     for r in (rt, reference):
         accumulate(r, seed=51)
-    assert rt.flat_grad() is vector
-    assert torch.equal(vector, reference.flat_grad())
+    assert gradient_vector(rt.params) is vector
+    assert torch.equal(vector, gradient_vector(reference.params))
     for r in (rt, reference):
-        r.apply_step(r.flat_grad() / 6, 6, group=1)
+        r.apply_step(gradient_vector(r.params) / 6, 6, group=1)
     assert rt.digest() == reference.digest()
 
 
@@ -449,7 +450,7 @@ def test_state_is_lent_and_stays_as_it_was_while_held(mode: str) -> None:
 def test_the_ledger_remembers_a_bounded_number_of_steps() -> None:
     rt = runtime(load_stages(tiny_cfg())[1])
     for epoch in range(LEDGER_EPOCHS + 3):
-        rt.apply_step(torch.zeros_like(rt.flat_grad()), 1, group=1, ids=[f"t/{epoch}a", f"t/{epoch}b"])
+        rt.apply_step(torch.zeros_like(gradient_vector(rt.params)), 1, group=1, ids=[f"t/{epoch}a", f"t/{epoch}b"])
     assert len(rt.committed) == 2 * LEDGER_EPOCHS
     assert min(rt.committed.values()) == rt.epoch - LEDGER_EPOCHS + 1
     assert "t/0a" not in rt.committed and rt.accumulates("t/0a")
@@ -530,7 +531,7 @@ def test_a_batch_member_left_out_of_the_batch_backward_is_recomputed() -> None:
 
     assert_within(back1, ref1, 1e-6)
     assert_within(back2, ref2, 1e-6)
-    assert_within(merged.flat_grad(), separate.flat_grad(), 1e-5)
+    assert_within(gradient_vector(merged.params), gradient_vector(separate.params), 1e-5)
     assert (merged.fast_backwards, merged.recomputed_backwards) == (1, 1)
     assert merged.pending_samples == 5
 
@@ -541,7 +542,7 @@ def test_a_step_on_a_non_finite_gradient_leaves_the_weights_as_they_were() -> No
     rt = runtime(load_stages(tiny_cfg())[1])
     before = flat(rt.params).clone()
     samples = accumulate(rt, seed=5)
-    mean = rt.flat_grad() / samples
+    mean = gradient_vector(rt.params) / samples
     mean[3] = float("nan")
     record = rt.apply_step(mean, samples, group=1)
     assert not math.isfinite(record.grad_norm)

@@ -1,6 +1,7 @@
 """A sync round takes a replica's gradients out (`begin_step`) and steps on the stage's mean when the
 all-reduce is over (`apply_step(..., own)`), while backwards go on in between: what they accumulate is
-left for the next step, with its ledger entries; a round that fails gives its part back."""
+left for the next step, with its ledger entries; a round that fails gives its part back. A replica
+alone in its round steps where its gradients lie (`step_alone`), to the same weights."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.unit.test_server_parts import CFG, ID, call, last_stage_request, serv
 from swarm.averaging.allreduce import RoundResult
 from swarm.model import load_stages
 from swarm.server.gate import ComputeGate
+from swarm.server.gradvec import gradient_vector
 from swarm.server.stepping import Stepper
 
 
@@ -28,19 +30,19 @@ def test_backwards_during_a_round_go_into_the_next_step_and_the_step_is_the_roun
 
     own = rt.begin_step()
     assert own.samples == samples and own.ids == sorted(rt.pending)
-    assert not rt.flat_grad().any()  # taken out: backwards start afresh
+    assert not gradient_vector(rt.params).any()  # taken out: backwards start afresh
     rt.backward("during", hidden(2, seed=2), hidden(2, seed=3))  # while the round travels
     assert rt.pending_samples == samples + 2
 
     record = rt.apply_step(own.flat / samples, samples, group=1, own=own)
-    reference.apply_step(reference.flat_grad() / samples, samples, group=1)
+    reference.apply_step(gradient_vector(reference.params) / samples, samples, group=1)
     assert torch.equal(flat(rt.params), flat(reference.params))  # the step is the round's alone
     assert record.ids == own.ids and rt.pending == {"during": 2} and rt.pending_samples == 2
     assert rt.committed == dict.fromkeys(own.ids, 1) and rt.accumulates("during") is False
 
     alone.backward("during", hidden(2, seed=2), hidden(2, seed=3))  # at the weights before the step
-    assert rt.flat_grad().any()
-    assert_within(rt.flat_grad(), alone.flat_grad(), 1e-6)
+    assert gradient_vector(rt.params).any()
+    assert_within(gradient_vector(rt.params), gradient_vector(alone.params), 1e-6)
 
 
 def test_a_failed_round_gives_its_part_back_beside_what_came_meanwhile() -> None:
@@ -51,7 +53,7 @@ def test_a_failed_round_gives_its_part_back_beside_what_came_meanwhile() -> None
     rt.backward("during", hidden(2, seed=5), hidden(2, seed=6))
     rt.return_part(own)
     reference.backward("during", hidden(2, seed=5), hidden(2, seed=6))
-    assert_within(rt.flat_grad(), reference.flat_grad(), 1e-6)
+    assert_within(gradient_vector(rt.params), gradient_vector(reference.params), 1e-6)
     assert rt.pending == reference.pending
 
 
@@ -88,5 +90,35 @@ def test_a_server_computes_while_its_round_waits_on_the_group_and_steps_on_the_r
         assert record.epoch == 1 and record.ids == [f"{ID['caller']}/r1"]
         assert st.runtime.pending == {f"{ID['caller']}/r2": 2} and st.round_epoch is None
         assert await stepper._sync_round(1, ("QmMe",)) is None  # finishing: no new round
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_alone_steps_in_place_to_the_weights_a_round_of_one_gives() -> None:
+    rt, reference = twins()
+    samples = accumulate(rt, seed=7)
+    accumulate(reference, seed=7)
+    unused = rt.params[0]
+    unused.grad = reference.params[0].grad = None  # a parameter no backward reached: a zero gradient
+
+    record = rt.step_alone()
+    own = reference.begin_step()
+    expected = reference.apply_step(own.flat / samples, samples, group=1, own=own)
+    assert torch.equal(flat(rt.params), flat(reference.params))
+    assert (record.epoch, record.samples, record.group, record.ids) == (1, samples, 1, own.ids)
+    assert record.grad_norm == expected.grad_norm and record.digest == expected.digest
+    assert rt.pending == {} and rt.committed == dict.fromkeys(own.ids, 1)
+    assert all(p.grad is None for p in rt.params)  # the next step starts from nothing
+
+
+def test_a_round_of_one_holds_the_gate_and_needs_no_all_reduce() -> None:
+    async def scenario() -> None:
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(1, gate)
+        await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
+        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, None, None, None, None, "", None)
+        record = await stepper._sync_round(0, ("QmMe",))
+        assert record.epoch == 1 and record.group == 1 and record.ids == [f"{ID['caller']}/r1"]
+        assert st.runtime.pending == {} and st.round_epoch is None
 
     asyncio.run(scenario())

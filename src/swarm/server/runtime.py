@@ -39,11 +39,11 @@ from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound
 from swarm.server.device import autocast_dtype, prepare
-from swarm.server.gradvec import give_back, gradient_vector, take_vector
+from swarm.server.gradvec import give_back, take_vector
 from swarm.server.nag import NesterovCorrection, stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
-from swarm.server.state_io import Lender, digest, export_state, import_state
+from swarm.server.state_io import Lender, digest, export_state, import_state, unshare
 from swarm.wire.codecs import Policy, on_host
 
 LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
@@ -262,10 +262,6 @@ class StageRuntime:
 
     # ---- the optimizer step ----------------------------------------------------------------------
 
-    def flat_grad(self) -> torch.Tensor:
-        """All accumulated gradients as one float32 vector on the CPU (they stay where they are)."""
-        return gradient_vector(self.params)
-
     def begin_step(self) -> StepPart:
         """This replica's part of a sync round; backwards go on while it runs, into the next step."""
         return StepPart(take_vector(self.params), self.pending_samples, sorted(self.pending))
@@ -311,12 +307,28 @@ class StageRuntime:
         meanwhile = [None if own is None else p.grad for p in self.params]
         for p, part in zip(self.params, mean_grad.split([p.numel() for p in self.params]), strict=True):
             p.grad = part.view_as(p).to(device=p.device, dtype=p.dtype, copy=True)
+        record = self._take_step(samples, group, ids, taken)
+        for p, grad in zip(self.params, meanwhile, strict=True):
+            p.grad = grad
+        return record
+
+    def step_alone(self) -> StepRecord:
+        """The step of a replica alone in its round: its mean gradient is its own, divided where it lies.
+        No vector is taken out or copied back, and nothing accumulates meanwhile (the gate is held)."""
+        samples, ids = self.pending_samples, sorted(self.pending)
+        for p in self.params:
+            if p.grad is None:  # as in a round's vector: zeros, which the optimizer steps like any gradient
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.div_(max(samples, 1))
+        return self._take_step(samples, 1, ids, ids)
+
+    def _take_step(self, samples: int, group: int, ids: list[str], taken: list[str]) -> StepRecord:
+        """Step from the mean gradient in `p.grad`, then move the stage's books and epoch past it."""
         lr = self.lr()
         if any(g.version == self.version for g in self.graphs.values()):
             self.kept.keep()  # forwards at these weights still wait for their backwards
         norm = self._optimizer_step()
-        for p, grad in zip(self.params, meanwhile, strict=True):
-            p.grad = grad
         # commit, unpend, then move the epoch: a ledger read meanwhile (network thread) finds each microbatch
         self.book.commit(ids, self.epoch + 1)
         self.book.unpend(taken)
@@ -384,16 +396,6 @@ class StageRuntime:
     def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
         import_state(self, meta, tensors)
 
-    @torch.no_grad()
     def unshare(self) -> None:
-        """Before the parameters or optimizer state change in place: if a reader still holds tensors that
-        `state` lent it, give the live ones fresh memory, leaving the reader's unchanged. It costs a copy
-        only when a step comes while a checkpoint is written or a download is served."""
-        if not self.lent.held():
-            return
-        for p in self.module.parameters():
-            p.data = p.data.clone()
-        for st in self.optimizer.state.values():
-            for key, value in st.items():
-                if torch.is_tensor(value):
-                    st[key] = value.clone()
+        """Before the parameters or optimizer state change in place (see `swarm.server.state_io.unshare`)."""
+        unshare(self)

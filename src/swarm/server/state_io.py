@@ -123,3 +123,18 @@ def digest(tensors: list[torch.Tensor]) -> str:
     for t in tensors:
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # the bytes in place, not a copy
     return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def unshare(rt: StageRuntime) -> None:
+    """If a reader still holds tensors that `export_state` lent it, give the runtime's live ones fresh
+    memory, leaving the reader's unchanged. It costs a copy only when a step comes while a checkpoint is
+    written or a download is served."""
+    if not rt.lent.held():
+        return
+    for p in rt.module.parameters():
+        p.data = p.data.clone()
+    for st in rt.optimizer.state.values():
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                st[key] = value.clone()

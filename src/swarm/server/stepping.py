@@ -245,6 +245,8 @@ class Stepper:
             async with self.gate.lock.urgent():
                 if not self._opens(epoch):
                     return None
+                if len(group) == 1:  # no one to wait for: letting go of the gate would only cost copies
+                    return await self.gate.run_locked(st.runtime.step_alone)
                 st.round_epoch = epoch
                 own = await self.gate.run_locked(st.runtime.begin_step)
             try:
