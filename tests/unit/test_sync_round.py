@@ -57,6 +57,22 @@ def test_a_failed_round_gives_its_part_back_beside_what_came_meanwhile() -> None
     assert rt.pending == reference.pending
 
 
+
+def test_a_microbatch_replayed_here_while_a_groupmate_stepped_it_keeps_its_receipt_for_the_next_round() -> None:
+    """A replay reaches this replica while its round runs, and a groupmate's part brings the same
+    microbatch into the step: it stays held here, for the next step, and so must its receipt (without
+    it every later round refuses this replica's part as poison, and the stage never steps again)."""
+    (rt,) = twins(1)
+    accumulate(rt, seed=8)
+    own = rt.begin_step()
+    rt.book.note_receipt("replayed", "receipt-of-replayed")
+    rt.backward("replayed", hidden(2, seed=9), hidden(2, seed=10))
+    samples = own.samples + 2  # the groupmate's part held the replayed microbatch too
+    rt.apply_step(own.flat / samples, samples, group=2, ids=sorted([*own.ids, "replayed"]), own=own)
+    assert rt.pending == {"replayed": 2}
+    assert rt.book.receipts_for(["replayed"]) == [[2, "receipt-of-replayed"]]
+    assert all(receipt == "" for _, receipt in rt.book.receipts_for(own.ids))  # stepped: forgotten
+
 class HeldReduce:
     """A stage all-reduce whose other member answers only once `release` is set."""
 

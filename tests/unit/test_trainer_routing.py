@@ -182,3 +182,30 @@ def test_a_server_is_measured_per_request_it_served_not_per_call():
     measured = trainer.measured[0]
     assert measured.latency("busy") == pytest.approx(measured.latency("idle"), rel=0.5)
     assert measured.latency("slow") > 3 * measured.latency("busy")
+
+
+def test_a_holder_stays_alive_while_views_stall_and_is_taken_for_gone_only_once_views_miss_it(monkeypatch):
+    """Seen lately: in a view of the last three announcement periods, or in one of the last three views.
+    Views that stall (a DHT lookup waiting on an unreachable node) must not make every server look dead:
+    its gradients would be replayed elsewhere while it still holds them."""
+    cfg = load_config(overrides=["model.num_stages=1"])
+    clock = [100.0]
+    monkeypatch.setattr("swarm.trainer.view.time.monotonic", lambda: clock[0])
+    record = ServerRecord("holder", 0, 1.0, 0, 0, 0, config_hash(cfg), {})
+
+    class Directory:
+        listed = [record]
+
+        async def stages(self, num_stages):
+            return {0: list(self.listed)}
+
+    view, directory = SwarmView(1, config_hash(cfg), agreed(cfg), 1.0), Directory()
+    asyncio.run(view.refresh(directory))
+    clock[0] += 30.0  # no view for 30 s
+    assert view.seen_lately(0, "holder")
+    directory.listed = []
+    for _ in range(2):  # the last three views still include the one that listed it
+        asyncio.run(view.refresh(directory))
+        assert view.seen_lately(0, "holder")
+    asyncio.run(view.refresh(directory))
+    assert not view.seen_lately(0, "holder")

@@ -40,10 +40,14 @@ class Ledger:
         self.pending_samples += samples
 
     def commit(self, ids: Iterable[str], epoch: int) -> None:
-        """Record a step's microbatches, forgetting steps older than `keep_epochs` before it."""
+        """Record a step's microbatches, forgetting steps older than `keep_epochs` before it. A receipt is
+        kept while its microbatch is still held: a replay that reached this replica while the round ran
+        (another replica's part brought the same microbatch into the step) goes into the next step, and
+        without its receipt every later round would refuse this replica's part."""
         for req_id in ids:
             self.committed[req_id] = epoch
-            self.receipts.pop(req_id, None)
+            if req_id not in self.pending:
+                self.receipts.pop(req_id, None)
         oldest = epoch - self.keep_epochs
         while self.committed:  # insertion order is epoch order: forget from the front
             first = next(iter(self.committed))

@@ -59,6 +59,11 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
             use_relay=net.use_relay,
             use_auto_relay=net.use_auto_relay,
             client_mode=client_mode,
+            # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
+            # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
+            # before they expire, would only add stores and lookups that every DHT node serves
+            cache_nearest=0,
+            cache_refresh_before_expiry=0,
             start=True,
         )
         dht.identity = key

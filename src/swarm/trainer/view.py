@@ -103,6 +103,9 @@ class SwarmView:
         return self._refreshes - self._last_listed.get((stage, peer), -1) > 2
 
     def seen_lately(self, stage: int, peer: str) -> bool:
-        """Whether a server counts as alive: in one of the views of the last few announcement periods.
-        One view that misses it (a DHT lookup can come back partial under load) does not make it dead."""
-        return time.monotonic() - self._last_seen.get((stage, peer), -math.inf) < 3 * self.announce_period
+        """Whether a server counts as alive: in one of the views of the last few announcement periods, or
+        in one of the last few views. One view that misses it (a DHT lookup can come back partial under
+        load) does not make it dead, and neither do views that stall (a lookup waiting on an unreachable
+        DHT node): a live holder taken for dead has its gradients accumulated twice."""
+        recently = time.monotonic() - self._last_seen.get((stage, peer), -math.inf) < 3 * self.announce_period
+        return recently or self._refreshes - self._last_listed.get((stage, peer), -math.inf) <= 3
