@@ -313,8 +313,7 @@ class StageRuntime:
         return record
 
     def step_alone(self) -> StepRecord:
-        """The step of a replica alone in its round: its mean gradient is its own, divided where it lies.
-        No vector is taken out or copied back, and nothing accumulates meanwhile (the gate is held)."""
+        """A replica alone in its round: its mean gradient, divided where it lies (the gate held throughout)."""
         samples, ids = self.pending_samples, sorted(self.pending)
         for p in self.params:
             if p.grad is None:  # as in a round's vector: zeros, which the optimizer steps like any gradient
