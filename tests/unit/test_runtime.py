@@ -108,7 +108,7 @@ def test_pipeline_gradients_equal_the_composed_model(n_layers: int, num_stages: 
     assert all(rt.recomputed_backwards == 0 for rt in runtimes)
 
 
-def test_flat_grad_is_zero_before_any_backward() -> None:
+def test_the_gradient_vector_is_zero_before_any_backward() -> None:
     stage = load_stages(tiny_cfg())[1]
     rt = runtime(stage)
     grad = gradient_vector(rt.params)
@@ -392,7 +392,7 @@ def test_loaded_state_reproduces_the_next_step_bit_for_bit(optimizer: str) -> No
         assert torch.equal(a, b)
 
 
-def test_flat_grad_takes_the_gradients_in_without_a_copy() -> None:
+def test_the_gradient_vector_takes_the_gradients_in_without_a_copy() -> None:
     """The round's vector is where the gradients live from then on: a retried round finds it as it was,
     backwards in between add to it, and the step reads the same sums as without it."""
     stage = load_stages(tiny_cfg())[1]
