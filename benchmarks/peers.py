@@ -88,16 +88,18 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
             killed.append(time.time())
 
     summary = run_local(cfg, progress=False, on_status=follow if kill_stage is not None else None)
-    completed = collect(Path(run_dir))["_completed"]
+    collected = collect(Path(run_dir))
+    completed = collected["_completed"]
     since = killed[0] if killed else warmed_up(Path(run_dir))
     after = [c for c in completed if c[0] > since]
-    # the last microbatch was started when the one `max_inflight` before the end completed: from then on
-    # the run only drains, once at its end (a pipeline schedule drains at every step: its bubble)
-    fed = completed[-cfg.trainer.max_inflight - 1][0] if len(completed) > cfg.trainer.max_inflight else since
+    # from the trainer's last start on the run only drains, once at its end (a pipeline schedule drains
+    # at every step: its bubble)
+    fed = collected["_stopped_starting"] or since
     steady = [c for c in after if c[0] <= fed]
     result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
               "samples_per_second": sum(c[1] for c in after) / (after[-1][0] - since),
               "undrained_samples_per_second": sum(c[1] for c in steady) / (fed - since) if fed > since else None,
+              "given_up": collected["microbatches_given_up"],
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
                                           for r in st["replicas"])}
     if kill_stage is not None:

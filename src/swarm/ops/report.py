@@ -103,6 +103,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
     return {
         "samples_completed": samples,
         "microbatches_failed": sum(t["failed"] for t in trainers),
+        "microbatches_given_up": sum(t.get("given_up", 0) for t in trainers),
         "trainer_call_seconds": _sum_dicts(t["call_seconds"] for t in trainers),
         "retries": sum(t["retries"] for t in trainers),
         "replays": sum(t["replays"] for t in trainers),
@@ -125,6 +126,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         "moves": [{k: m[k] for k in ("time", "name", "peer_id", "source", "target", "before", "after")}
                   for m in read_moves(run_dir)],
         "_completed": completed,
+        # when the last trainer started its last microbatch: the run's one drain follows
+        "_stopped_starting": max((t.get("stopped_starting") or 0.0 for t in trainers), default=0.0) or None,
         "_start": start,
     }
 

@@ -68,6 +68,9 @@ class Trainer:
         self.done = False
         self._ids = itertools.count()
         self._requeued: list[tuple[torch.Tensor, Piece]] = []  # batches whose forward failed: retried whole
+        self._forwarding: set[asyncio.Task] = set()  # microbatches not accumulated anywhere yet
+        self.given_up = 0  # microbatches given up on their way forward when the run was over
+        self.stopped_starting: float | None = None  # when the trainer started its last microbatch
         # what /metrics and TensorBoard show: the figures the swarm sees in its last announcement
         self.metrics = MetricsEndpoint(cfg.net, "trainer")
         self.board = TrainerBoard(self.tc.tensorboard_dir, self.tc.index)
@@ -79,8 +82,8 @@ class Trainer:
     # ---- the training loop -------------------------------------------------------------------
 
     async def train(self, stop: asyncio.Event | None = None) -> None:
-        """Train until the target steps (or SIGTERM, which lets the microbatches in flight finish and
-        their gradients settle; SIGINT or `stop` ends at once)."""
+        """Train until the target steps (or SIGTERM, which lets the microbatches already accumulating
+        finish and their gradients settle; SIGINT or `stop` ends at once)."""
         self.stop = stop or asyncio.Event()
         self.draining = False
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
@@ -158,7 +161,8 @@ class Trainer:
                                            f"(trainer.no_server_timeout={limit:g})")
 
     async def _feed(self) -> None:
-        """Keep `trainer.max_inflight` microbatches in the pipeline until the run is over."""
+        """Keep `trainer.max_inflight` microbatches in the pipeline until the run is over; then give up
+        those still on their way forward (see `_give_up_forwards`) and let the others finish."""
         slots = asyncio.Semaphore(self.tc.max_inflight)
         running: set[asyncio.Task] = set()
         while not self._finished():
@@ -169,9 +173,24 @@ class Trainer:
             batch, piece = self._requeued.pop(0) if self._requeued else await self.feed.next()
             task = asyncio.create_task(self._microbatch(batch, piece))
             running.add(task)
+            self._forwarding.add(task)
             task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+        self.stopped_starting = time.time()
+        self._give_up_forwards()
         if running:
             await asyncio.gather(*running)
+
+    def _give_up_forwards(self) -> None:
+        """Once the run is over (its target reached, or SIGTERM), a microbatch still on its way forward has
+        been accumulated nowhere and its samples are not consumed: waiting for it would only hold the run's
+        end behind the slowest server's queue (its forward, then its backward there). Its calls are
+        cancelled (a server drops a request whose caller went away before its turn) and its samples stay
+        in the block, for whoever takes the block next."""
+        self.given_up = len(self._forwarding)
+        for task in self._forwarding:
+            task.cancel()
+        if self.given_up:
+            log.info("the run is over: %d microbatch(es) still on their way forward given up", self.given_up)
 
     def _step(self) -> int:
         """The stages' step: the least epoch among them, as far as this trainer has seen them settle."""
@@ -192,7 +211,13 @@ class Trainer:
         owed: list[str] = []  # servers that ran this microbatch's forwards, whose backwards are still to come
         try:
             await self._through_stages(batch, piece, owed)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task not in self._forwarding or task.cancelling() > 1:  # not (only) given up by `_feed`
+                raise
+            task.uncancel()
         finally:
+            self._forwarding.discard(asyncio.current_task())
             for peer in owed:
                 self.caller.repay(peer)
 
@@ -214,6 +239,7 @@ class Trainer:
             self._requeued.append((batch, piece))
             log.warning("microbatch %s forward failed (%s); its batch will be sent again", req, e)
             return
+        self._forwarding.discard(asyncio.current_task())  # from here on it finishes, however the run ends
         try:
             await self.feed.consume(piece)  # from here on, sending it again could count it twice
         except BlockLost as e:
@@ -286,6 +312,8 @@ class Trainer:
             "peer_id": self.peer_id,
             "samples": self.progress.samples(),
             "failed": self.failed,
+            "given_up": self.given_up,
+            "stopped_starting": self.stopped_starting,
             "retries": self.caller.retries,
             "replays": self.keeper.replays,
             "unresolved": self.unresolved,
