@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
-from tests.unit.test_runtime import accumulate, assert_within, flat, hidden, runtime, tiny_cfg
+from tests.unit.test_runtime import accumulate, assert_within, flat, hidden, over_the_wire, runtime, tiny_cfg
 from tests.unit.test_server_parts import CFG, ID, call, last_stage_request, served
 
 from swarm.averaging.allreduce import RoundResult
@@ -45,16 +46,76 @@ def test_backwards_during_a_round_go_into_the_next_step_and_the_step_is_the_roun
     assert_within(gradient_vector(rt.params), gradient_vector(alone.params), 1e-6)
 
 
-def test_a_failed_round_gives_its_part_back_beside_what_came_meanwhile() -> None:
-    rt, reference = twins()
+def test_a_failed_round_sets_its_part_aside_and_the_next_round_takes_it_with_what_came_meanwhile() -> None:
+    rt, reference, meanwhile = twins(3)
     accumulate(rt, seed=4)
     accumulate(reference, seed=4)
     own = rt.begin_step()
-    rt.backward("during", hidden(2, seed=5), hidden(2, seed=6))
+    for replica in (rt, reference, meanwhile):
+        replica.backward("during", hidden(2, seed=5), hidden(2, seed=6))
     rt.return_part(own)
-    reference.backward("during", hidden(2, seed=5), hidden(2, seed=6))
-    assert_within(gradient_vector(rt.params), gradient_vector(reference.params), 1e-6)
-    assert rt.pending == reference.pending
+    assert rt.pending == reference.pending  # still held, both
+    assert_within(gradient_vector(rt.params), gradient_vector(meanwhile.params), 1e-6)  # the part apart
+    again = rt.begin_step()
+    assert again.ids == own.ids + ["during"] and again.samples == own.samples + 2
+    assert_within(again.flat, gradient_vector(reference.params), 1e-6)
+
+
+def ahead_by(steps: int, ids_in_step: list[str]) -> tuple[dict, list[torch.Tensor]]:
+    """The state of a replica `steps` steps on, whose last step took in `ids_in_step` (and others)."""
+    (source,) = twins(1)
+    for epoch in range(steps):
+        accumulate(source, seed=20 + epoch)
+        names = [*ids_in_step, "other"] if epoch == steps - 1 else [f"earlier{epoch}"]
+        source.apply_step(gradient_vector(source.params) / 3, 3, group=2, ids=names)
+    return over_the_wire(*source.state())
+
+
+def failed_round(rt):
+    """`rt` took part in a round that failed here, and went on accumulating: (its part, the gradient
+    that came meanwhile, as a replica that held only it would have it)."""
+    (meanwhile,) = twins(1)
+    accumulate(rt, seed=11)
+    own = rt.begin_step()
+    for replica in (rt, meanwhile):
+        replica.backward("during", hidden(2, seed=12), hidden(2, seed=13))
+    rt.return_part(own)
+    return own, gradient_vector(meanwhile.params)
+
+
+def test_loading_the_step_that_took_a_failed_rounds_part_keeps_what_came_after_it() -> None:
+    """The round failed here but its owner stepped with our part: the gradients that came after the
+    round began are one step old, as on a replica whose round succeeded, and stay for the next step."""
+    (rt,) = twins(1)
+    own, since = failed_round(rt)
+    assert rt.load_state(*ahead_by(1, own.ids)) == 0
+    assert rt.epoch == 1 and rt.pending == {"during": 2} and rt.aside is None
+    assert rt.committed == {**dict.fromkeys([*own.ids, "other"], 1)}
+    assert_within(gradient_vector(rt.params), since, 1e-6)
+
+
+def test_loading_a_step_that_did_not_take_the_part_keeps_it_too() -> None:
+    (rt,) = twins(1)
+    own, _ = failed_round(rt)
+    assert rt.load_state(*ahead_by(1, ["elsewhere"])) == 0
+    assert rt.pending == {**dict.fromkeys(own.ids, 3), "during": 2}
+    assert rt.begin_step().samples == own.samples + 2
+
+
+@pytest.mark.parametrize("case", ["two steps on", "a held microbatch in the step", "part of the part in the step"])
+def test_what_cannot_be_told_apart_from_the_loaded_step_is_dropped(case: str) -> None:
+    (rt,) = twins(1)
+    own, _ = failed_round(rt)
+    if case == "part of the part in the step":
+        accumulate(rt, seed=14)
+        own = rt.begin_step()
+        rt.return_part(own)
+    state = {"two steps on": lambda: ahead_by(2, own.ids),
+             "a held microbatch in the step": lambda: ahead_by(1, [*own.ids, "during"]),
+             "part of the part in the step": lambda: ahead_by(1, ["acc11"])}[case]()
+    held = rt.pending_samples
+    assert rt.load_state(*state) == held
+    assert rt.pending == {} and rt.aside is None and not gradient_vector(rt.params).any()
 
 
 

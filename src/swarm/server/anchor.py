@@ -17,6 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
+from swarm.server.nag import NesterovCorrection
+
+
+def averaged(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors replicas average: the parameters, and NAG's `w_t` (without it, the shift an average
+    makes to the served look-ahead point would enter the next correction as velocity). AdamW's moments
+    stay each replica's own: statistics of its own gradients, which only scale its steps, and averaging
+    them would triple a round's traffic."""
+    tensors = list(params)
+    if isinstance(optimizer, NesterovCorrection):
+        tensors += [optimizer.state[p]["base"] for p in params]
+    return tensors
+
 
 @dataclass(frozen=True)
 class AverageRound:

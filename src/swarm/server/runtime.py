@@ -31,16 +31,17 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from functools import partial
 
 import torch
 
 from swarm.config import OptimConfig
 from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
-from swarm.server.anchor import Anchor, AverageRound
+from swarm.server.anchor import Anchor, AverageRound, averaged
 from swarm.server.device import autocast_dtype, prepare
 from swarm.server.gradvec import give_back, take_vector
-from swarm.server.nag import NesterovCorrection, stage_optimizer
+from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
 from swarm.server.state_io import Lender, digest, export_state, import_state, unshare
@@ -74,6 +75,7 @@ class StageRuntime:
         self.graph_ttl = graph_ttl
         self.epoch = 0
         self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
+        self.aside: StepPart | None = None  # a failed round's part, held apart (see `return_part`)
         self.duplicates = 0  # requests for microbatches already held or committed: not accumulated again
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
@@ -81,8 +83,8 @@ class StageRuntime:
         self.version = 0  # changes of the weights: steps, local updates, averaging rounds
         self.kept = KeptWeights(self.params, lambda: self.version)  # sync: weights overtaken graphs ran at
         self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
-        # async: the averaged state as the last round left it (bit-identical on every replica)
-        self.averaging = Anchor(self.averaged_tensors, self.unshare) if self.asynchronous else None
+        agreed = partial(averaged, self.params, self.optimizer)  # async: the tensors replicas average, and
+        self.averaging = Anchor(agreed, self.unshare) if self.asynchronous else None  # as the last round left them
         self.lent = Lender()  # the state's tensors as `state` handed them out (see unshare)
         self.last_digest = self.digest()  # of the stage's agreed weights; replicas at one epoch must agree on it
 
@@ -264,11 +266,19 @@ class StageRuntime:
 
     def begin_step(self) -> StepPart:
         """This replica's part of a sync round; backwards go on while it runs, into the next step."""
+        self.take_back_aside()
         return StepPart(take_vector(self.params), self.pending_samples, sorted(self.pending))
 
     def return_part(self, own: StepPart) -> None:
-        """A failed round's part goes back, beside what accumulated meanwhile, for the next round."""
-        give_back(self.params, own.flat)
+        """A failed round's part is set aside, apart from what accumulates meanwhile, until it is known
+        whether the stage's step took it in (a state loaded one step ahead tells:
+        `swarm.server.state_io.carry_over`); the next round takes it back."""
+        self.aside = own
+
+    def take_back_aside(self) -> None:
+        if self.aside is not None:
+            give_back(self.params, self.aside.flat)
+            self.aside = None
 
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
@@ -314,6 +324,7 @@ class StageRuntime:
 
     def step_alone(self) -> StepRecord:
         """A replica alone in its round: its mean gradient, divided where it lies (the gate held throughout)."""
+        self.take_back_aside()
         samples, ids = self.pending_samples, sorted(self.pending)
         for p in self.params:
             if p.grad is None:  # as in a round's vector: zeros, which the optimizer steps like any gradient
@@ -338,16 +349,6 @@ class StageRuntime:
 
     # ---- async: averaging rounds -----------------------------------------------------------------
 
-    def averaged_tensors(self) -> list[torch.Tensor]:
-        """The tensors replicas average: the parameters, and NAG's `w_t` (without it, the shift an
-        average makes to the served look-ahead point would enter the next correction as velocity).
-        AdamW's moments stay each replica's own: statistics of its own gradients, which only scale its
-        steps, and averaging them would triple a round's traffic."""
-        tensors = list(self.params)
-        if isinstance(self.optimizer, NesterovCorrection):
-            tensors += [self.optimizer.state[p]["base"] for p in self.params]
-        return tensors
-
     def begin_average(self) -> AverageRound:
         """This replica's part of an averaging round, as its weights stand now (it goes on updating)."""
         return self.averaging.begin(self.pending_samples, sorted(self.pending), self.version)
@@ -371,6 +372,7 @@ class StageRuntime:
         the local progress they made: the weights return to the anchor."""
         lost = self.pending_samples
         self.optimizer.zero_grad(set_to_none=True)
+        self.aside = None
         if self.asynchronous and lost:
             self.averaging.return_to()
             self.version += 1
@@ -381,10 +383,7 @@ class StageRuntime:
 
     def digest(self) -> str:
         """Of the weights the stage agreed on: the parameters (sync) or their anchor (async)."""
-        return digest(self._agreed_params())
-
-    def _agreed_params(self) -> list[torch.Tensor]:
-        return self.averaging.views()[: len(self.params)] if self.asynchronous else self.params
+        return digest(self.averaging.views()[: len(self.params)] if self.asynchronous else self.params)
 
     # ---- state transfer (newcomers and stragglers) ---------------------------------------------
 
@@ -392,8 +391,9 @@ class StageRuntime:
         """Parameters, buffers and optimizer state, flattened for the wire (see swarm.server.state_io)."""
         return export_state(self)
 
-    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> None:
-        import_state(self, meta, tensors)
+    def load_state(self, meta: dict, tensors: list[torch.Tensor]) -> int:
+        """Take another replica's state; the samples of held gradients dropped (see `swarm.core.ledger.carry`)."""
+        return import_state(self, meta, tensors)
 
     def unshare(self) -> None:
         """Before the parameters or optimizer state change in place (see `swarm.server.state_io.unshare`)."""

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from swarm.core.ledger import Carry, carry
+from swarm.server.anchor import averaged
+
 if TYPE_CHECKING:
     from swarm.server.runtime import StageRuntime
 
@@ -45,7 +48,8 @@ def export_state(rt: StageRuntime) -> tuple[dict, list[torch.Tensor]]:
     stay as they are while the reader holds them: the runtime moves its own to fresh memory before
     it next changes them in place, if by then a reader still holds them (`StageRuntime.unshare`). Buffers, which
     a forward may change in place (running statistics), are copied."""
-    agreed = dict(zip(map(id, rt.averaged_tensors()), rt.averaging.views(), strict=True)) if rt.asynchronous else {}
+    averaging = averaged(rt.params, rt.optimizer) if rt.asynchronous else []
+    agreed = dict(zip(map(id, averaging), rt.averaging.views(), strict=True)) if rt.asynchronous else {}
     names, tensors = [], []
     for name, t in rt.module.state_dict(keep_vars=True).items():
         names.append(name)
@@ -98,8 +102,12 @@ def check_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> No
             raise ValueError(f"state checksum mismatch: expected {meta['digest']}")
 
 
-def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
+def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> int:
+    """Load a state in place of the runtime's; the samples of held gradients dropped (`carry`)."""
     check_state(rt, meta, tensors)
+    steps = meta.get("ledger", [])
+    aside = None if rt.aside is None else rt.aside.ids
+    fate = Carry.NOTHING if rt.asynchronous else carry(rt.pending, aside, rt.epoch, int(meta["epoch"]), steps)
     names, opt_keys = meta["names"], meta["opt_keys"]
     rt.unshare()
     rt.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
@@ -113,8 +121,23 @@ def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> N
         rt.averaging.retake()
     rt.version += 1
     rt.last_digest = rt.digest()
-    rt.discard_gradients()
-    rt.book.restore(meta.get("ledger", []))
+    lost = carry_over(rt, fate)
+    rt.book.restore(steps)
+    return lost
+
+
+def carry_over(rt: StageRuntime, fate: Carry) -> int:
+    """Keep what `fate` says of the held gradients once a state is loaded; the samples dropped. Kept
+    graphs go either way: the weights changed by other than a step."""
+    if fate is Carry.NOTHING:
+        return rt.discard_gradients()
+    if fate is Carry.SINCE:  # the loaded step holds the failed round's part
+        rt.book.unpend(rt.aside.ids)
+        rt.aside = None
+    rt.take_back_aside()
+    rt.graphs.clear()
+    rt.kept.release(())
+    return 0
 
 
 def digest(tensors: list[torch.Tensor]) -> str:

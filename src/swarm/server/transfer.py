@@ -62,9 +62,8 @@ class StateTransfer:
             async with self.gate.lock.urgent():  # (catching up: see swarm.server.turns)
                 if epoch < st.runtime.epoch + (0 if force else 1):
                     return False
-                lost = st.runtime.pending_samples
                 try:
-                    await self.gate.run_locked(st.runtime.load_state, meta, tensors)
+                    lost = await self.gate.run_locked(st.runtime.load_state, meta, tensors)
                 except UNUSABLE as e:
                     log.warning("state from %s is unusable: %s", short(source.peer_id), e)
                     continue
@@ -75,8 +74,10 @@ class StateTransfer:
                                                   "source": source.peer_id})
             if st.checkpoints is None:
                 st.durable_epoch = st.runtime.epoch  # the source holds it too
-            log.info("stage %d server %s loaded epoch %d from %s%s", st.index, st.label, st.runtime.epoch,
-                     short(source.peer_id), f" (dropped {lost} samples computed at older weights)" if lost else "")
+            kept = st.runtime.pending_samples
+            log.info("stage %d server %s loaded epoch %d from %s%s%s", st.index, st.label, st.runtime.epoch,
+                     short(source.peer_id), f" (dropped {lost} samples computed at older weights)" if lost else "",
+                     f" (kept {kept} samples held, one step old, for the next step)" if kept else "")
             return True
         return False
 
