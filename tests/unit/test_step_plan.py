@@ -17,6 +17,7 @@ from swarm.core.stepping import (
     plan_step,
     suspect,
     unproven,
+    worth_telling,
 )
 
 GRACE = 4.0
@@ -175,3 +176,13 @@ def test_a_peer_that_always_looks_one_behind_is_waited_for_twice_then_no_more():
     assert waits == [True, True, False, False]
     (caught_up,), memory = looks(view(now, Replica("lag", epoch, 8), epoch=epoch, pending=8), memory=memory)
     assert "lag" not in memory.stragglers
+
+
+def test_a_count_is_worth_telling_early_only_to_replicas_and_near_the_step() -> None:
+    """Two replicas at 4 samples/s each accumulate 16 in two periods of 1 s: a count of 40 (with 8 seen
+    at the other) is worth telling toward a step of 64, one of 30 is not yet; nor is any count to no one,
+    and a replica with no rate measured yet tells only once the count it sees reaches the target."""
+    assert worth_telling(40, 1, 8, 4.0, 1.0, 64)
+    assert not worth_telling(30, 1, 8, 4.0, 1.0, 64)
+    assert not worth_telling(63, 0, 0, 4.0, 1.0, 64)
+    assert not worth_telling(50, 1, 10, 0.0, 1.0, 64) and worth_telling(54, 1, 10, 0.0, 1.0, 64)

@@ -20,6 +20,21 @@ MAX_WAITS = 2  # graces a replica waits, step after step, for a peer that looks 
 GROUPMATE_GRACES = 3
 
 
+def worth_telling(own_samples: int, peers: int, peer_samples: int, own_rate: float, period: float,
+                  target_batch_size: int) -> bool:
+    """Whether a replica should announce its new sample count now rather than at its next periodic
+    announcement: its stage's other replicas (`peers` of them, holding `peer_samples` as last seen) decide
+    when the stage steps from the counts they read, and a count a period old makes the step overshoot.
+    Only near the target does that matter: far from it, the counts decide nothing yet, and every early
+    announcement is a DHT store that each node holding the stage's key serves, CPU taken from every host's
+    compute. Near means within what the stage may accumulate in two periods, taking each replica to be
+    as fast as this one."""
+    if not peers:
+        return False
+    reach = own_rate * (1 + peers) * 2 * period
+    return own_samples + peer_samples + reach >= target_batch_size
+
+
 def stage_ready(own_samples: int, peer_samples: Mapping[str, int], target_batch_size: int) -> bool:
     """Whether the stage as a whole has accumulated `target_batch_size` samples this epoch.
 
@@ -68,6 +83,7 @@ class PlanMemory:
     alone_since: float = math.inf  # since when no other replica has been in view
     behind_since: Mapping[str, float] = field(default_factory=dict)  # peer -> since when it looks behind
     peers_at_epoch: tuple[int, frozenset[str]] = (-1, frozenset())  # replicas last seen at our epoch
+    peers_pending: int = 0  # the samples they announced then
     stragglers: Mapping[str, int] = field(default_factory=dict)  # peer -> graces it made us wait in vain
     # peers whose state could not be had (download failed, or unusable): peer -> (until, epoch it claimed)
     unproven: Mapping[str, tuple[float, int]] = field(default_factory=dict)
@@ -130,7 +146,8 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
         return CatchUp(tuple(r.peer for r in ahead)), memory
     peers = {r.peer: r.pending for r in in_view if r.epoch == view.epoch}
     stragglers = {p: n for p, n in memory.stragglers.items() if p not in peers}  # (one that caught up is forgiven)
-    memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)), stragglers=stragglers)
+    memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)), peers_pending=sum(peers.values()),
+                     stragglers=stragglers)
     held = view.pending + sum(peers.values())
     run_over = held > 0 and view.trainers > 0 and view.trainers_done  # flush what the stage still holds
     if not (stage_ready(view.pending, peers, view.target_batch_size) or run_over):

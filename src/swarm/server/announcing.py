@@ -9,6 +9,7 @@ import logging
 import time
 
 from swarm.config import NetConfig
+from swarm.core.stepping import worth_telling
 from swarm.net.directory import Directory
 from swarm.server.gate import ComputeGate
 from swarm.server.stage import ServedStage
@@ -24,6 +25,7 @@ class Announcer:
         """`agreed`: the settings every peer of the run shares (swarm.config.agreed); they travel in every
         record, so that a peer with other settings is told which differ."""
         self.agreed = agreed
+        self.target_batch_size = int(agreed["optim"]["target_batch_size"])
         self.name = name
         self.period, self.ttl = net.announce_period, net.record_ttl
         self.hash = config_hash
@@ -64,10 +66,14 @@ class Announcer:
     async def withdraw(self) -> None:
         await self.directory.withdraw_server(self.record())
 
-    def _counted_by_others(self) -> bool:
-        """Whether replicas at our epoch were in the step loop's last view (they add our count to theirs)."""
-        epoch, peers = self.stage.plan.peers_at_epoch
-        return epoch == self.stage.runtime.epoch and bool(peers)
+    def _worth_telling(self) -> bool:
+        """Whether replicas at our epoch were in the step loop's last view (they add our count to theirs) and
+        the stage is near its step (`swarm.core.stepping.worth_telling`)."""
+        st = self.stage
+        epoch, peers = st.plan.peers_at_epoch
+        return epoch == st.runtime.epoch and worth_telling(
+            st.runtime.pending_samples, len(peers), st.plan.peers_pending, st.work.meter.rate, self.period,
+            self.target_batch_size)
 
     async def _announce_quietly(self) -> None:
         try:
@@ -77,9 +83,10 @@ class Announcer:
 
     async def loop(self) -> None:
         """Re-announce every period, and sooner while gradients accumulate beside other replicas at our
-        epoch: they decide when the stage steps from each other's announced sample counts, so stale
-        counts mean oversized steps. A replica alone at its epoch has no one to tell: every store is
-        served by each DHT node holding the stage's key, CPU taken from the compute of every host.
+        epoch near the stage's step: they decide when the stage steps from each other's announced sample
+        counts, so stale counts mean oversized steps. A replica alone at its epoch has no one to tell, and
+        far from the step nothing is decided yet: every store is served by each DHT node holding the
+        stage's key, CPU taken from the compute of every host.
 
         The loop also notices when this process stalled (it was frozen) for so long that its record
         may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall.
@@ -96,7 +103,7 @@ class Announcer:
             tick = now
             if sending is not None and not sending.done():
                 continue
-            changed = st.runtime.pending_samples != self._announced_pending and self._counted_by_others()
+            changed = st.runtime.pending_samples != self._announced_pending and self._worth_telling()
             if changed or now - last >= self.period:
                 last = now
                 sending = asyncio.create_task(self._announce_quietly())
