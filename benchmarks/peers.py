@@ -58,6 +58,7 @@ ISSUE_MODEL = [
     "model.num_stages=2", "optim.target_batch_size=64", "optim.warmup_steps=2",
     "trainer.microbatch_size=8", "trainer.max_inflight=8",
     "local.servers_per_stage=1", "local.trainers=1", "local.threads_per_peer=1",
+    "local.trainers_wait=true",  # as torch's ranks meet before training: a slow server starts late
 ]
 # four machines of CPU_PER_WORKER cores each: every worker (a torch rank, a swarm server with its helper
 # processes) is held to its share, so that a slow or stalled one does not hand its cores to the others

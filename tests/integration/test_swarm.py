@@ -21,7 +21,7 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
     """Activations, gradients and all-reduce parts all travel 8-bit (blockwise): the swarm still learns
     real text, and its replicas still step to bit-identical weights."""
     cfg = small_config(tmp_path, 'wire.activations="blockwise8"', 'wire.gradients="blockwise8"',
-                       'wire.allreduce="blockwise8"')
+                       'wire.allreduce="blockwise8"', "local.trainers_wait=true")
     summary = run_swarm(LocalSwarm(cfg))
 
     assert summary["microbatches_failed"] == 0
@@ -45,6 +45,17 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
     assert summary["replays"] == 0
     assert_replicas_in_step(summary, tmp_path)
     assert (tmp_path / "loss.png").exists() and (tmp_path / "throughput.png").exists()
+    # local.trainers_wait: every server was up before the first trainer started
+    logs = tmp_path / "logs"
+    up = [logged_at(logs / f"server-s{k}-{i}.log", " up on ") for k, i in ((0, 1), (0, 2), (1, 3), (1, 4))]
+    started = [logged_at(logs / f"trainer-{t}.log", " started: ") for t in (0, 1)]
+    assert all(0 < (t - u) % 86400 < 3600 for t in started for u in up), (up, started)
+
+
+def logged_at(log, event: str) -> float:
+    """Seconds into its day of the first log line that says `event` (lines begin `HH:MM:SS.mmm`)."""
+    hours, minutes, seconds = re.search(rf"^(\d\d):(\d\d):(\S+) .*{event}", log.read_text(), re.M).groups()
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
 
 
 @pytest.mark.slow  # ~45 s: in make test-slow, keeping make test inside its time budget

@@ -186,6 +186,9 @@ class LocalSwarmConfig:
     slowdowns: tuple[float, ...] = ()
     reply_delays: tuple[float, ...] = ()  # server.reply_delay of each server in start order, likewise
     trainers: int = 2
+    # trainers start once every server launched is in the DHT, as the ranks of a fixed pipeline meet before
+    # it trains (else at once: servers join as they come up, and the swarm rebalances around the late ones)
+    trainers_wait: bool = False
     threads_per_peer: int = 1
     # every server, with its helper processes, held to this many cores as a machine of its own would be
     # (0: servers share the host's cores; needs root and a cgroup CPU controller); a server's slowdown

@@ -16,7 +16,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -147,6 +148,8 @@ class LocalSwarm:
                 overrides = ((f"server.slowdown={slowdown}",) if slowed else ()) + (
                     (f"server.reply_delay={delay}",) if delay else ())
                 self.add_server(stage, overrides, slowdown=slowdown)
+        if self.cfg.local.trainers_wait:
+            asyncio.run(self._wait_for_servers())
         for index in range(self.cfg.local.trainers):
             self.add_trainer(index)
 
@@ -235,10 +238,40 @@ class LocalSwarm:
         """Block until the run is over; `on_status` sees every poll (tests inject faults from it)."""
         return asyncio.run(self._watch(progress, on_status))
 
+    @asynccontextmanager
+    async def _observer(self) -> AsyncIterator[Directory]:
+        """The swarm's directory, read through a DHT client of the launcher's own."""
+        dht = start_dht(replace(self.cfg, net={"initial_peers": self.initial_peers, "port": 0}).net, client_mode=True)
+        try:
+            yield Directory(dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
+        finally:
+            dht.shutdown()
+
+    async def _wait_for_servers(self) -> None:
+        """Until every server launched so far has announced itself (`local.trainers_wait`)."""
+        launched = self.servers()
+        deadline = time.monotonic() + self.cfg.local.timeout
+        async with self._observer() as directory:
+            while True:
+                status = await read_status(directory, self.cfg.model.num_stages)
+                up = {name for names in status.members.values() for name in names}
+                if all(p.name in up for p in launched):
+                    return
+                for p in launched:
+                    if not p.alive():
+                        raise RuntimeError(f"{p.name} exited early; {p.log_path} ends with:\n{p.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"servers not up within {self.cfg.local.timeout:.0f}s: "
+                                       + ", ".join(p.name for p in launched if p.name not in up))
+                await asyncio.sleep(0.5)
+
     async def _watch(self, progress: bool, on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
         """Follow the run until every trainer finished and every stage flushed its last samples."""
-        dht = start_dht(replace(self.cfg, net={"initial_peers": self.initial_peers, "port": 0}).net, client_mode=True)
-        directory = Directory(dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
+        async with self._observer() as directory:
+            return await self._follow(directory, progress, on_status)
+
+    async def _follow(self, directory: Directory, progress: bool,
+                      on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
         target = self.cfg.trainer.target_steps
         bar = tqdm(total=target, desc="steps", unit="step", disable=not progress, dynamic_ncols=True)
         deadline = time.monotonic() + self.cfg.local.timeout
@@ -270,7 +303,6 @@ class LocalSwarm:
                     raise TimeoutError(f"the run did not finish within {self.cfg.local.timeout:.0f}s")
         finally:
             bar.close()
-            dht.shutdown()
 
     # ---- stopping ----------------------------------------------------------------------------
 
