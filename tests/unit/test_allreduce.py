@@ -331,8 +331,34 @@ def test_absent_member_fails_the_others_within_the_timeout() -> None:
     assert all(isinstance(o, RoundFailed) for o in outcomes), outcomes
     assert elapsed < SHORT + 1.0
     assert all(o.unreachable == frozenset({"peerC"}) for o in outcomes)  # the one that sent nothing
+    assert not any(o.maybe_applied for o in outcomes)  # no part was reduced: no one can have stepped
     for peer in samples:
         assert members[peer]._rounds == {}
+
+
+def test_a_member_whose_own_part_was_reduced_says_its_failed_round_may_have_been_applied() -> None:
+    """peerA reduces its own part (peerB's contribution came) but peerB's answer never comes in time, as
+    from a slow owner: peerA's round fails, and others may yet step with its part; peerB never got
+    peerA's part for its own, so no one can have stepped with peerB's."""
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 100)
+    members = make_members(ids, timeout=SHORT)
+    deliver = members["peerA"].client.call
+
+    async def late(peer_id, *args):
+        await asyncio.sleep(SHORT + 0.5)  # past peerA's deadline, and past peerB's
+        return await deliver(peer_id, *args)
+
+    members["peerA"].client.call = late
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids),
+                                    return_exceptions=True)
+
+    a, b = run_all(main())
+    assert isinstance(a, RoundFailed) and isinstance(b, RoundFailed), (a, b)
+    assert a.maybe_applied and not b.maybe_applied
 
 
 def test_an_unreachable_owner_fails_the_round_at_once_and_is_named() -> None:

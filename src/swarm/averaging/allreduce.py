@@ -71,6 +71,7 @@ class RoundFailed(Exception):
         super().__init__(message)
         self.unreachable = unreachable
         self.refused_by = refused_by  # owners that answered our part with a refusal
+        self.maybe_applied = False  # our own part was reduced: a member that got every part stepped
 
 
 class _RefusedBy(CallFailed):
@@ -177,37 +178,41 @@ class StageAllReduce:
                                                  receipts or []))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
-        gathered = asyncio.gather(*tasks)
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
-            async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
-                results = await gathered
-        except _Unreachable as e:
-            raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
-        except TimeoutError as e:  # members whose part never reached us are the ones that hang
-            silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
-            raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
-                              f"{self.timeout:.0f}s", silent) from e
-        except (CallFailed, BadRequest) as e:
-            if DIVERGED in str(e):
-                raise WeightsDiverged(str(e), group) from e
-            if rnd.poisoned:  # left out of the next groups, like a member that does not answer
-                raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
-            if ABANDONED in str(e) and (silent := self._silent_here(rnd, str(e))):
-                raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
-                                  "here either", silent) from e
-            members = ",".join(map(short, group))
-            refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
-            kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
-            raise RoundFailed(f"epoch {epoch} with [{members}]: {kind} {e}".rstrip(),
-                              refused_by=refused_by) from e
-        finally:
-            for task in tasks:
-                task.cancel()
-            self._rounds.pop(epoch, None)
-            self._started.pop(epoch, None)
-            if rnd.result is None:
-                rnd.complete.set()  # release members still waiting on this round: it is abandoned
+            gathered = asyncio.gather(*tasks)
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
+            try:
+                async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
+                    results = await gathered
+            except _Unreachable as e:
+                raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
+            except TimeoutError as e:  # members whose part never reached us are the ones that hang
+                silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
+                raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
+                                  f"{self.timeout:.0f}s", silent) from e
+            except (CallFailed, BadRequest) as e:
+                if DIVERGED in str(e):
+                    raise WeightsDiverged(str(e), group) from e
+                if rnd.poisoned:  # left out of the next groups, like a member that does not answer
+                    raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
+                if ABANDONED in str(e) and (silent := self._silent_here(rnd, str(e))):
+                    raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
+                                      "here either", silent) from e
+                members = ",".join(map(short, group))
+                refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
+                kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
+                raise RoundFailed(f"epoch {epoch} with [{members}]: {kind} {e}".rstrip(),
+                                  refused_by=refused_by) from e
+            finally:
+                for task in tasks:
+                    task.cancel()
+                self._rounds.pop(epoch, None)
+                self._started.pop(epoch, None)
+                if rnd.result is None:
+                    rnd.complete.set()  # release members still waiting on this round: it is abandoned
+        except RoundFailed as e:  # our part was reduced and sent: the others may have stepped with it
+            e.maybe_applied = rnd.result is not None
+            raise
         totals = {(total, tuple(merged)) for _, total, merged in results}
         if len(totals) != 1:
             raise RoundFailed(f"owners disagree on the samples: {sorted(t for t, _ in totals)}")

@@ -8,7 +8,6 @@ back. The trainers' side of exactly-once (`swarm.core.delivery`) asks replicas w
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from enum import Enum
 
 MAX_RECEIPTS = 1 << 16  # receipts kept for gradients not yet held (a request dropped before it ran leaves one)
 
@@ -84,32 +83,27 @@ class Ledger:
             self.commit(ids, int(epoch))
 
 
-class Carry(Enum):
-    """What a replica keeps of its held gradients when it loads another replica's state (`carry`)."""
 
-    NOTHING = "nothing"  # all dropped: trainers accumulate them again elsewhere
-    ALL = "all"  # all kept, the part of its failed round too
-    SINCE = "since"  # the gradients that came after its failed round began; that round's part is in the step
-
-
-def carry(pending: Collection[str], aside: Collection[str] | None, epoch: int, loaded_epoch: int,
-          loaded_steps: Iterable[tuple[int, list[str]]]) -> Carry:
-    """What a replica at `epoch`, holding `pending` (of which `aside` is the part a failed round of its
-    took out, if any), keeps on loading the state of `loaded_epoch` with that state's remembered steps.
+def carry(pending: Collection[str], aside: list[list[str]], epoch: int, loaded_epoch: int,
+          loaded_steps: Iterable[tuple[int, list[str]]]) -> list[bool] | None:
+    """What a replica at `epoch`, holding `pending` (of which `aside` lists the parts its failed rounds
+    took out), keeps on loading the state of `loaded_epoch` with that state's remembered steps: None to
+    drop everything, else whether each set-aside part is kept (the rest of what it holds is).
 
     Its gradients were computed at the weights of `epoch`. Loaded one step ahead, they are one step old,
     as the gradients that come in while a round runs are on a replica whose round succeeds, and as those
     of a graph a step overtook: they count in the next step. What the loaded step took in must not count
-    twice: the failed round's part, if the step took it in whole (its owner got it and stepped), is
-    dropped alone; a held microbatch the step took in otherwise (a replay accumulated elsewhere too), or
-    a part the step took in only in part, cannot be told apart from the rest of the sum, and then all is
-    dropped, as it is further behind: trainers accumulate again whatever no replica holds."""
+    twice: a failed round's part the step took in whole (its owner got it and stepped) is dropped alone.
+    A held microbatch the step took in otherwise (a replay accumulated elsewhere too), or a part it took in
+    only in part, cannot be told apart from the rest of the sum: then all is dropped, as it is when the
+    replica is further behind, and trainers accumulate again whatever no replica holds."""
     if loaded_epoch != epoch + 1:
-        return Carry.NOTHING
+        return None
     stepped = {req_id for step_epoch, ids in loaded_steps if step_epoch == loaded_epoch for req_id in ids}
-    part = set(aside or ())
-    if any(req_id in stepped for req_id in pending if req_id not in part):
-        return Carry.NOTHING
-    if not part or not part & stepped:
-        return Carry.ALL
-    return Carry.SINCE if part <= stepped else Carry.NOTHING
+    parts = [set(ids) for ids in aside]
+    in_parts = set().union(*parts)
+    if any(req_id in stepped for req_id in pending if req_id not in in_parts):
+        return None
+    if any(part & stepped and not part <= stepped for part in parts):
+        return None
+    return [not part & stepped for part in parts]

@@ -60,3 +60,35 @@ def give_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         else:
             p.grad.add_(part)
         offset += p.numel()
+
+
+class SetAside:
+    """The parts of a replica's failed rounds, each held apart from what accumulated after it, until it is
+    known whether a step of the stage took it in. A failed round may have succeeded elsewhere (a slow
+    owner that got every part steps; the members that gave up waiting for it do not), so a retry does
+    not take such a part in again: it goes back into the gradients once this replica has stepped without
+    it (it then counts in the next step, one step old, as the gradients that come in during a round do),
+    or is settled by the ledger of a state loaded one step ahead (`swarm.core.ledger.carry`)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, list[str], int]] = []  # (vector, microbatch ids, samples)
+
+    def add(self, flat: torch.Tensor, ids: list[str], samples: int) -> None:
+        self.parts.append((flat, ids, samples))
+
+    def ids(self) -> set[str]:
+        return {req_id for _, ids, _ in self.parts for req_id in ids}
+
+    def samples(self) -> int:
+        return sum(samples for _, _, samples in self.parts)
+
+    def give_back(self, params: list[torch.Tensor], keep: list[bool] | None = None) -> list[str]:
+        """Every part back into the gradients (or those `keep` marks); the ids of the parts not given back."""
+        dropped = []
+        for (flat, ids, _), kept in zip(self.parts, keep or [True] * len(self.parts), strict=True):
+            if kept:
+                give_back(params, flat)
+            else:
+                dropped += ids
+        self.parts = []
+        return dropped

@@ -40,7 +40,7 @@ from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound, averaged
 from swarm.server.device import autocast_dtype, prepare
-from swarm.server.gradvec import give_back, take_vector
+from swarm.server.gradvec import SetAside, give_back, take_vector
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
@@ -75,7 +75,7 @@ class StageRuntime:
         self.graph_ttl = graph_ttl
         self.epoch = 0
         self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
-        self.aside: StepPart | None = None  # a failed round's part, held apart (see `return_part`)
+        self.aside = SetAside()  # failed rounds' parts, held apart (see `return_part`)
         self.duplicates = 0  # requests for microbatches already held or committed: not accumulated again
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
@@ -266,19 +266,17 @@ class StageRuntime:
 
     def begin_step(self) -> StepPart:
         """This replica's part of a sync round; backwards go on while it runs, into the next step."""
-        self.take_back_aside()
-        return StepPart(take_vector(self.params), self.pending_samples, sorted(self.pending))
+        apart = self.aside.ids()
+        return StepPart(take_vector(self.params), self.pending_samples - self.aside.samples(),
+                        sorted(set(self.pending) - apart))
 
-    def return_part(self, own: StepPart) -> None:
-        """A failed round's part is set aside, apart from what accumulates meanwhile, until it is known
-        whether the stage's step took it in (a state loaded one step ahead tells:
-        `swarm.server.state_io.carry_over`); the next round takes it back."""
-        self.aside = own
-
-    def take_back_aside(self) -> None:
-        if self.aside is not None:
-            give_back(self.params, self.aside.flat)
-            self.aside = None
+    def return_part(self, own: StepPart, uncertain: bool = False) -> None:
+        """A failed round's part goes back beside what came meanwhile, for the next round; or, where the
+        round may have succeeded elsewhere (`uncertain`), it is set aside (see `SetAside`)."""
+        if uncertain:
+            self.aside.add(own.flat, own.ids, own.samples)
+        else:
+            give_back(self.params, own.flat)
 
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""
@@ -312,7 +310,7 @@ class StageRuntime:
         """Take the optimizer step every replica of the stage takes, from the stage's mean gradient.
         `ids`: the microbatches the whole stage's step took in; `own`: this replica's part of the round,
         whose gradients accumulated since stay for the next step (without: the step takes all it holds)."""
-        taken = sorted(self.pending) if own is None else own.ids
+        taken = sorted(set(self.pending) - self.aside.ids()) if own is None else own.ids
         ids = taken if ids is None else ids
         meanwhile = [None if own is None else p.grad for p in self.params]
         for p, part in zip(self.params, mean_grad.split([p.numel() for p in self.params]), strict=True):
@@ -320,18 +318,20 @@ class StageRuntime:
         record = self._take_step(samples, group, ids, taken)
         for p, grad in zip(self.params, meanwhile, strict=True):
             p.grad = grad
+        self.aside.give_back(self.params)  # stepped without them: they count in the next step
         return record
 
     def step_alone(self) -> StepRecord:
         """A replica alone in its round: its mean gradient, divided where it lies (the gate held throughout)."""
-        self.take_back_aside()
-        samples, ids = self.pending_samples, sorted(self.pending)
+        samples, ids = self.pending_samples - self.aside.samples(), sorted(set(self.pending) - self.aside.ids())
         for p in self.params:
             if p.grad is None:  # as in a round's vector: zeros, which the optimizer steps like any gradient
                 p.grad = torch.zeros_like(p)
             else:
                 p.grad.div_(max(samples, 1))
-        return self._take_step(samples, 1, ids, ids)
+        record = self._take_step(samples, 1, ids, ids)
+        self.aside.give_back(self.params)
+        return record
 
     def _take_step(self, samples: int, group: int, ids: list[str], taken: list[str]) -> StepRecord:
         """Step from the mean gradient in `p.grad`, then move the stage's books and epoch past it."""
@@ -372,7 +372,7 @@ class StageRuntime:
         the local progress they made: the weights return to the anchor."""
         lost = self.pending_samples
         self.optimizer.zero_grad(set_to_none=True)
-        self.aside = None
+        self.aside = SetAside()
         if self.asynchronous and lost:
             self.averaging.return_to()
             self.version += 1

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from swarm.core.ledger import Carry, carry
+from swarm.core.ledger import carry
 from swarm.server.anchor import averaged
 
 if TYPE_CHECKING:
@@ -106,8 +106,8 @@ def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> i
     """Load a state in place of the runtime's; the samples of held gradients dropped (`carry`)."""
     check_state(rt, meta, tensors)
     steps = meta.get("ledger", [])
-    aside = None if rt.aside is None else rt.aside.ids
-    fate = Carry.NOTHING if rt.asynchronous else carry(rt.pending, aside, rt.epoch, int(meta["epoch"]), steps)
+    aside = [ids for _, ids, _ in rt.aside.parts]
+    fate = None if rt.asynchronous else carry(rt.pending, aside, rt.epoch, int(meta["epoch"]), steps)
     names, opt_keys = meta["names"], meta["opt_keys"]
     rt.unshare()
     rt.module.load_state_dict(dict(zip(names, tensors[: len(names)], strict=True)))
@@ -126,15 +126,12 @@ def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> i
     return lost
 
 
-def carry_over(rt: StageRuntime, fate: Carry) -> int:
-    """Keep what `fate` says of the held gradients once a state is loaded; the samples dropped. Kept
-    graphs go either way: the weights changed by other than a step."""
-    if fate is Carry.NOTHING:
+def carry_over(rt: StageRuntime, fate: list[bool] | None) -> int:
+    """Keep what `fate` says of the held gradients once a state is loaded (`swarm.core.ledger.carry`); the
+    samples dropped. Kept graphs go either way: the weights changed by other than a step."""
+    if fate is None:
         return rt.discard_gradients()
-    if fate is Carry.SINCE:  # the loaded step holds the failed round's part
-        rt.book.unpend(rt.aside.ids)
-        rt.aside = None
-    rt.take_back_aside()
+    rt.book.unpend(rt.aside.give_back(rt.params, fate))  # the loaded step holds the parts not given back
     rt.graphs.clear()
     rt.kept.release(())
     return 0
