@@ -56,6 +56,7 @@ def failures_on(swarm: LocalSwarm, victim: Peer) -> list[tuple[float, float]]:
 
 
 BAN = 0.5  # seconds a trainer first bans a server that failed it (doubling, up to 8 times as long)
+SERVED_SLOWLY = 1.5  # seconds each message of both stage-0 servers waits before the kill
 
 
 def steps_of(server: Peer) -> list[dict]:
@@ -102,8 +103,9 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
             caught_up = re.findall(r"loaded epoch (\d+)", victim[0].log_path.read_text())
             if caught_up and any(s["epoch"] > int(caught_up[-1]) and s["group"] == 2 for s in steps_of(victim[0])):
                 marks["back"] = now  # caught up, and stepped with its stage again
-                faults.delay(victim[0], seconds=0.5)
-                faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=0.5)
+                # every call there waits SERVED_SLOWLY: at any moment some are waiting at each of them
+                faults.delay(victim[0], seconds=SERVED_SLOWLY)
+                faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=SERVED_SLOWLY)
         # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed and its
         # record shows gradients it took since its last step: trainers send it calls again
         elif (len(kinds) == 6 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1
