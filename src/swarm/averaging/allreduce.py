@@ -71,7 +71,7 @@ class RoundFailed(Exception):
         super().__init__(message)
         self.unreachable = unreachable
         self.refused_by = refused_by  # owners that answered our part with a refusal
-        self.maybe_applied = False  # our own part was reduced: a member that got every part stepped
+        self.maybe_applied = False  # our own part was reduced: a member that got every part may have stepped
 
 
 class _RefusedBy(CallFailed):
@@ -179,37 +179,7 @@ class StageAllReduce:
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
         try:
-            gathered = asyncio.gather(*tasks)
-            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
-            try:
-                async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
-                    results = await gathered
-            except _Unreachable as e:
-                raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
-            except TimeoutError as e:  # members whose part never reached us are the ones that hang
-                silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
-                raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
-                                  f"{self.timeout:.0f}s", silent) from e
-            except (CallFailed, BadRequest) as e:
-                if DIVERGED in str(e):
-                    raise WeightsDiverged(str(e), group) from e
-                if rnd.poisoned:  # left out of the next groups, like a member that does not answer
-                    raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
-                if ABANDONED in str(e) and (silent := self._silent_here(rnd, str(e))):
-                    raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
-                                      "here either", silent) from e
-                members = ",".join(map(short, group))
-                refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
-                kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
-                raise RoundFailed(f"epoch {epoch} with [{members}]: {kind} {e}".rstrip(),
-                                  refused_by=refused_by) from e
-            finally:
-                for task in tasks:
-                    task.cancel()
-                self._rounds.pop(epoch, None)
-                self._started.pop(epoch, None)
-                if rnd.result is None:
-                    rnd.complete.set()  # release members still waiting on this round: it is abandoned
+            results = await self._gather_parts(rnd, tasks)
         except RoundFailed as e:  # our part was reduced and sent: the others may have stepped with it
             e.maybe_applied = rnd.result is not None
             raise
@@ -221,6 +191,42 @@ class StageAllReduce:
             del self._finished[old]
         total, merged = totals.pop()
         return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
+
+    async def _gather_parts(self, rnd: _Round, tasks: list[asyncio.Future]
+                            ) -> list[tuple[torch.Tensor, int, list[str]]]:
+        """Every owner's reduced part, or RoundFailed saying why not (and whom to leave out next)."""
+        epoch, group = rnd.epoch, rnd.group
+        gathered = asyncio.gather(*tasks)
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
+        try:
+            async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
+                return await gathered
+        except _Unreachable as e:
+            raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
+        except TimeoutError as e:  # members whose part never reached us are the ones that hang
+            silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
+            raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
+                              f"{self.timeout:.0f}s", silent) from e
+        except (CallFailed, BadRequest) as e:
+            if DIVERGED in str(e):
+                raise WeightsDiverged(str(e), group) from e
+            if rnd.poisoned:  # left out of the next groups, like a member that does not answer
+                raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
+            if ABANDONED in str(e) and (silent := self._silent_here(rnd, str(e))):
+                raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
+                                  "here either", silent) from e
+            members = ",".join(map(short, group))
+            refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
+            kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
+            raise RoundFailed(f"epoch {epoch} with [{members}]: {kind} {e}".rstrip(),
+                              refused_by=refused_by) from e
+        finally:
+            for task in tasks:
+                task.cancel()
+            self._rounds.pop(epoch, None)
+            self._started.pop(epoch, None)
+            if rnd.result is None:
+                rnd.complete.set()  # release members still waiting on this round: it is abandoned
 
     def _silent_here(self, rnd: _Round, abandoned: str) -> frozenset[str]:
         """The members an owner named when it gave up its round for want of their parts ("abandoned: no part

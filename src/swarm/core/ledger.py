@@ -83,7 +83,6 @@ class Ledger:
             self.commit(ids, int(epoch))
 
 
-
 def carry(pending: Collection[str], aside: list[list[str]], epoch: int, loaded_epoch: int,
           loaded_steps: Iterable[tuple[int, list[str]]]) -> list[bool] | None:
     """What a replica at `epoch`, holding `pending` (of which `aside` lists the parts its failed rounds

@@ -71,21 +71,24 @@ class SetAside:
     or is settled by the ledger of a state loaded one step ahead (`swarm.core.ledger.carry`)."""
 
     def __init__(self) -> None:
-        self.parts: list[tuple[torch.Tensor, list[str], int]] = []  # (vector, microbatch ids, samples)
+        self.parts: list[tuple[torch.Tensor, list[str]]] = []  # (vector, microbatch ids)
 
-    def add(self, flat: torch.Tensor, ids: list[str], samples: int) -> None:
-        self.parts.append((flat, ids, samples))
+    def add(self, flat: torch.Tensor, ids: list[str]) -> None:
+        self.parts.append((flat, ids))
 
     def ids(self) -> set[str]:
-        return {req_id for _, ids, _ in self.parts for req_id in ids}
+        return {req_id for _, ids in self.parts for req_id in ids}
 
-    def samples(self) -> int:
-        return sum(samples for _, _, samples in self.parts)
+    def outside(self, pending: dict[str, int]) -> tuple[int, list[str]]:
+        """The samples and ids of the held microbatches (`pending`: id -> samples) not in a part."""
+        apart = self.ids()
+        ids = sorted(req_id for req_id in pending if req_id not in apart)
+        return sum(pending[req_id] for req_id in ids), ids
 
     def give_back(self, params: list[torch.Tensor], keep: list[bool] | None = None) -> list[str]:
         """Every part back into the gradients (or those `keep` marks); the ids of the parts not given back."""
         dropped = []
-        for (flat, ids, _), kept in zip(self.parts, keep or [True] * len(self.parts), strict=True):
+        for (flat, ids), kept in zip(self.parts, keep or [True] * len(self.parts), strict=True):
             if kept:
                 give_back(params, flat)
             else:

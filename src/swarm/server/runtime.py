@@ -266,15 +266,13 @@ class StageRuntime:
 
     def begin_step(self) -> StepPart:
         """This replica's part of a sync round; backwards go on while it runs, into the next step."""
-        apart = self.aside.ids()
-        return StepPart(take_vector(self.params), self.pending_samples - self.aside.samples(),
-                        sorted(set(self.pending) - apart))
+        return StepPart(take_vector(self.params), *self.aside.outside(self.pending))
 
     def return_part(self, own: StepPart, uncertain: bool = False) -> None:
         """A failed round's part goes back beside what came meanwhile, for the next round; or, where the
         round may have succeeded elsewhere (`uncertain`), it is set aside (see `SetAside`)."""
         if uncertain:
-            self.aside.add(own.flat, own.ids, own.samples)
+            self.aside.add(own.flat, own.ids)
         else:
             give_back(self.params, own.flat)
 
@@ -310,7 +308,7 @@ class StageRuntime:
         """Take the optimizer step every replica of the stage takes, from the stage's mean gradient.
         `ids`: the microbatches the whole stage's step took in; `own`: this replica's part of the round,
         whose gradients accumulated since stay for the next step (without: the step takes all it holds)."""
-        taken = sorted(set(self.pending) - self.aside.ids()) if own is None else own.ids
+        taken = self.aside.outside(self.pending)[1] if own is None else own.ids
         ids = taken if ids is None else ids
         meanwhile = [None if own is None else p.grad for p in self.params]
         for p, part in zip(self.params, mean_grad.split([p.numel() for p in self.params]), strict=True):
@@ -323,7 +321,7 @@ class StageRuntime:
 
     def step_alone(self) -> StepRecord:
         """A replica alone in its round: its mean gradient, divided where it lies (the gate held throughout)."""
-        samples, ids = self.pending_samples - self.aside.samples(), sorted(set(self.pending) - self.aside.ids())
+        samples, ids = self.aside.outside(self.pending)
         for p in self.params:
             if p.grad is None:  # as in a round's vector: zeros, which the optimizer steps like any gradient
                 p.grad = torch.zeros_like(p)

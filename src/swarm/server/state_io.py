@@ -48,8 +48,9 @@ def export_state(rt: StageRuntime) -> tuple[dict, list[torch.Tensor]]:
     stay as they are while the reader holds them: the runtime moves its own to fresh memory before
     it next changes them in place, if by then a reader still holds them (`StageRuntime.unshare`). Buffers, which
     a forward may change in place (running statistics), are copied."""
-    averaging = averaged(rt.params, rt.optimizer) if rt.asynchronous else []
-    agreed = dict(zip(map(id, averaging), rt.averaging.views(), strict=True)) if rt.asynchronous else {}
+    agreed = {}
+    if rt.asynchronous:
+        agreed = dict(zip(map(id, averaged(rt.params, rt.optimizer)), rt.averaging.views(), strict=True))
     names, tensors = [], []
     for name, t in rt.module.state_dict(keep_vars=True).items():
         names.append(name)
@@ -106,7 +107,7 @@ def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> i
     """Load a state in place of the runtime's; the samples of held gradients dropped (`carry`)."""
     check_state(rt, meta, tensors)
     steps = meta.get("ledger", [])
-    aside = [ids for _, ids, _ in rt.aside.parts]
+    aside = [ids for _, ids in rt.aside.parts]
     fate = None if rt.asynchronous else carry(rt.pending, aside, rt.epoch, int(meta["epoch"]), steps)
     names, opt_keys = meta["names"], meta["opt_keys"]
     rt.unshare()
