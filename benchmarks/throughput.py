@@ -40,8 +40,7 @@ def baseline(cfg, steps: int, device: str = "cpu") -> float:
     """Samples/s of ordinary training: one process, all cores (or one GPU, with the servers' GPU defaults:
     bf16 autocast and TF32), same model, microbatch and step size."""
     torch.set_num_threads(torch.get_num_threads())
-    dev = torch.device(device)
-    prepare(dev)
+    dev = prepare(torch.device(device))
     model = ComposedModel(load_stages(cfg.model)).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
     table = load_samples(cfg.data, cfg.model)

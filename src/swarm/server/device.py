@@ -20,11 +20,15 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
-def prepare(device: torch.device) -> None:
+def prepare(device: torch.device) -> torch.device:
     """Make `device` current and, on a GPU, let fp32 matmuls and convolutions use TF32 (several times
-    the fp32 rate on Ampere and newer, with 10-bit mantissas)."""
+    the fp32 rate on Ampere and newer, with 10-bit mantissas). The device with its index: a plain "cuda"
+    means the current GPU, and tensors report it as cuda:N, so comparisons need the index."""
     if device.type != "cuda":
-        return
+        return device
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    return device

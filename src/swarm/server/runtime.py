@@ -44,7 +44,8 @@ from swarm.server.gradvec import SetAside, give_back, take_vector
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
-from swarm.server.state_io import Lender, digest, export_state, import_state, unshare
+from swarm.server.state_io import Lender, export_state, import_state, unshare
+from swarm.server.weights_hash import digest
 from swarm.wire.codecs import Policy, on_host
 
 LEDGER_EPOCHS = 64  # steps whose microbatch ids a replica remembers (and hands to newcomers)
@@ -60,8 +61,7 @@ class StageRuntime:
         graph_ttl: float = 120.0,
         wire: Policy | None = None,
     ):
-        self.device = torch.device(device)
-        prepare(self.device)
+        self.device = prepare(torch.device(device))
         self.wire = wire  # the codecs results leave the compute thread packed with (see `on_host`)
         self.module = module.to(self.device)
         self.is_first = bool(getattr(module, "is_first", False))

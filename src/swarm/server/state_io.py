@@ -5,7 +5,6 @@ restored from one, checked in full first (a parameter checksum, counts and shape
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from typing import TYPE_CHECKING
 
@@ -13,6 +12,7 @@ import torch
 
 from swarm.core.ledger import carry
 from swarm.server.anchor import averaged
+from swarm.server.weights_hash import digest
 
 if TYPE_CHECKING:
     from swarm.server.runtime import StageRuntime
@@ -136,14 +136,6 @@ def carry_over(rt: StageRuntime, fate: list[bool] | None) -> int:
     rt.graphs.clear()
     rt.kept.release(())
     return 0
-
-
-def digest(tensors: list[torch.Tensor]) -> str:
-    """A short hash of the tensors' bytes: equal digests mean bit-identical parameters."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # the bytes in place, not a copy
-    return h.hexdigest()[:16]
 
 
 @torch.no_grad()

@@ -1,0 +1,78 @@
+"""The weights' digest is BLAKE3 of their bytes wherever it is computed: the GPU's Triton kernels give
+the reference hash's bytes (checked here through Triton's interpreter where Triton is installed, and on
+a GPU where one exists), and a digest tells bit-identical weights apart from weights one bit away."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import blake3
+import pytest
+import torch
+
+from swarm.server.weights_hash import digest
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def weights(seed: int) -> list[torch.Tensor]:
+    """A stage's mix: fp32 matrices, a bf16 tensor of odd length (so the stream is not word-aligned), a scalar."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(300, 70, generator=gen), torch.randn(333, generator=gen).bfloat16(),
+            torch.randn(2, 1025, generator=gen), torch.tensor(1.5)]
+
+
+def reference(tensors: list[torch.Tensor]) -> str:
+    h = blake3.blake3(b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors))
+    return h.hexdigest()[:16]
+
+
+def test_the_digest_is_blake3_of_the_bytes_end_to_end() -> None:
+    assert digest(weights(1)) == reference(weights(1))
+    assert digest([]) == blake3.blake3(b"").hexdigest()[:16]
+
+
+def test_one_bit_changes_the_digest() -> None:
+    ours, theirs = weights(2), weights(2)
+    assert digest(ours) == digest(theirs)
+    theirs[0].view(torch.int32)[123, 45] ^= 1
+    assert digest(ours) != digest(theirs)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (CUDA builds of torch bring it)")
+def test_the_gpu_kernels_give_the_reference_hash_in_tritons_interpreter() -> None:
+    """The edges of BLAKE3's layout (empty, within a block, chunk boundaries, a tree with odd levels,
+    windows that end mid-input) and tensors of mixed types laid end to end."""
+    script = textwrap.dedent("""
+        import blake3, torch
+        from swarm.server import blake3_gpu
+        blake3_gpu.WINDOW = 3
+        gen = torch.Generator().manual_seed(0)
+        for n in [0, 65, 1024, 1025, 3 * 1024 + 5, 7 * 1024 + 9]:
+            data = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+            assert blake3_gpu.stream_hash([data]) == blake3.blake3(data.numpy()).digest(), n
+        mixed = [torch.randn(333, generator=gen), torch.randn(10, 7, generator=gen).bfloat16(), torch.randn(999)]
+        whole = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in mixed)
+        assert blake3_gpu.stream_hash(mixed) == blake3.blake3(whole).digest()
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_gpu_replica_and_a_cpu_replica_agree() -> None:
+    for seed in (3, 4):
+        assert digest([w.cuda() for w in weights(seed)]) == digest(weights(seed)) == reference(weights(seed))
+    big = [torch.randn(4096, 3000, generator=torch.Generator().manual_seed(5))]  # 48 MiB: windows and deep trees
+    assert digest([w.cuda() for w in big]) == digest(big)
