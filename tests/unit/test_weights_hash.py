@@ -14,7 +14,7 @@ import blake3
 import pytest
 import torch
 
-from swarm.server.weights_hash import digest
+from swarm.server.weights_hash import DIGEST_HEX, digest
 
 try:
     import triton  # noqa: F401
@@ -34,12 +34,13 @@ def weights(seed: int) -> list[torch.Tensor]:
 
 def reference(tensors: list[torch.Tensor]) -> str:
     h = blake3.blake3(b"".join(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors))
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:DIGEST_HEX]
 
 
 def test_the_digest_is_blake3_of_the_bytes_end_to_end() -> None:
     assert digest(weights(1)) == reference(weights(1))
-    assert digest([]) == blake3.blake3(b"").hexdigest()[:16]
+    assert digest([]) == blake3.blake3(b"").hexdigest()[:DIGEST_HEX]
+    assert len(digest(weights(1))) == 32  # 128 bits: no second preimage within reach
 
 
 def test_one_bit_changes_the_digest() -> None:

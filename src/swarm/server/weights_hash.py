@@ -16,6 +16,9 @@ from __future__ import annotations
 import blake3
 import torch
 
+# 128 bits: finding other weights with a replica's announced digest (a second preimage) stays out of reach
+DIGEST_HEX = 32
+
 
 def _on_gpu(tensors: list[torch.Tensor]) -> bool:
     """Whether the tensors all lie on one GPU whose digest Triton can compute there."""
@@ -33,8 +36,8 @@ def digest(tensors: list[torch.Tensor]) -> str:
     if _on_gpu(tensors):
         from swarm.server.blake3_gpu import stream_hash
 
-        return stream_hash(tensors).hex()[:16]
+        return stream_hash(tensors).hex()[:DIGEST_HEX]
     h = blake3.blake3()
     for t in tensors:
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()[:16]
+    return h.hexdigest()[:DIGEST_HEX]
