@@ -88,3 +88,24 @@ def test_a_finished_run_gives_up_forwards_in_flight_and_finishes_the_rest():
     assert sorted(c.req for c in trainer.progress.completed) == ["0@piece0", "1@piece1", "4@piece4"]
     assert not trainer._forwarding and all(n == 0 for n in caller.owed.values())
     assert trainer.stopped_starting is not None
+
+
+def test_microbatches_given_up_before_they_ever_ran_end_the_run_quietly():
+    """The target is reached while the last microbatches are being handed out, before their tasks first
+    ran (as on a fast GPU): they are given up like the others, and the run ends without an error."""
+    cfg = load_config(overrides=["model.num_stages=2", "trainer.max_inflight=4"])
+    trainer = Trainer(cfg)
+    trainer.caller = caller = _Caller(lambda index: None)
+    trainer.feed = feed = _Feed()
+    trainer.keeper = SimpleNamespace(keep=lambda *args: None)
+    trainer.table = SimpleNamespace(pad_id=0)
+    trainer.stop, trainer.draining = asyncio.Event(), False
+    trainer._finished = lambda: feed.handed >= 3  # reached as the third is created, none having run
+
+    async def run() -> None:
+        async with asyncio.timeout(10):
+            await trainer._feed()
+
+    asyncio.run(run())
+    assert trainer.given_up == 3 and feed.consumed == [] and caller.cancelled == []
+    assert not trainer.progress.completed and not trainer._forwarding

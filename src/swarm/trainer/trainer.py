@@ -174,11 +174,14 @@ class Trainer:
             task = asyncio.create_task(self._microbatch(batch, piece))
             running.add(task)
             self._forwarding.add(task)
-            task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+            task.add_done_callback(lambda t: (running.discard(t), self._forwarding.discard(t), slots.release()))
         self.stopped_starting = time.time()
         self._give_up_forwards()
-        if running:
-            await asyncio.gather(*running)
+        # a microbatch given up before its task first ran ends cancelled without entering its own handler
+        # (on a fast GPU the target can be reached while the last one is handed out): that is no error
+        for result in await asyncio.gather(*running, return_exceptions=True):
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
 
     def _give_up_forwards(self) -> None:
         """Once the run is over (its target reached, or SIGTERM), a microbatch still on its way forward has
@@ -217,7 +220,6 @@ class Trainer:
                 raise
             task.uncancel()
         finally:
-            self._forwarding.discard(asyncio.current_task())
             for peer in owed:
                 self.caller.repay(peer)
 
