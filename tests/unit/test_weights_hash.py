@@ -4,16 +4,19 @@ a GPU where one exists), and a digest tells bit-identical weights apart from wei
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import blake3
 import pytest
 import torch
 
+from swarm.server import weights_hash
 from swarm.server.weights_hash import DIGEST_HEX, digest
 
 try:
@@ -69,6 +72,27 @@ def test_the_gpu_kernels_give_the_reference_hash_in_tritons_interpreter() -> Non
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_kernels_that_cannot_run_here_leave_the_digest_to_the_host(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A GPU Triton cannot compile for (older than it supports) makes the first try fail: that is said
+    once, and the host hashes from then on instead of the server failing at every step."""
+    tries = []
+
+    def failing(tensors):
+        tries.append(len(tensors))
+        raise RuntimeError("compute capability 6.1 is not supported")
+
+    monkeypatch.setitem(sys.modules, "swarm.server.blake3_gpu", types.SimpleNamespace(stream_hash=failing))
+    monkeypatch.setattr(weights_hash, "_kernels_failed", False)
+    with caplog.at_level(logging.WARNING, logger="swarm.server.weights_hash"):
+        assert weights_hash._on_device(weights(6)) is None
+        assert weights_hash._on_device(weights(6)) is None
+    assert tries == [4]
+    assert [r.getMessage() for r in caplog.records] == [
+        "the weights' digest is computed on the host from now on: the GPU kernels cannot run here "
+        "(RuntimeError: compute capability 6.1 is not supported)"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

@@ -20,20 +20,21 @@ LANES = 128  # chunks or tree nodes per Triton program
 
 
 @triton.jit
-def _g(a, b, c, d, x, y):
+def _mix(a, b, c, d, x, R1: tl.constexpr, R2: tl.constexpr):
+    """Half of BLAKE3's quarter-round: add, xor, rotate right by R1, then by R2 (32-bit words)."""
     a = a + b + x
     d = d ^ a
-    d = (d >> 16) | (d << 16)
+    d = (d >> R1) | (d << (32 - R1))
     c = c + d
     b = b ^ c
-    b = (b >> 12) | (b << 20)
-    a = a + b + y
-    d = d ^ a
-    d = (d >> 8) | (d << 24)
-    c = c + d
-    b = b ^ c
-    b = (b >> 7) | (b << 25)
+    b = (b >> R2) | (b << (32 - R2))
     return a, b, c, d
+
+
+@triton.jit
+def _g(a, b, c, d, x, y):
+    a, b, c, d = _mix(a, b, c, d, x, 16, 12)
+    return _mix(a, b, c, d, y, 8, 7)
 
 
 @triton.jit
@@ -72,6 +73,18 @@ def _word(ptr, offset, mask):
 
 
 @triton.jit
+def _compress_at(h0, h1, h2, h3, h4, h5, h6, h7, ptr, at, mask, t0, t1, block_len, flags):
+    """`_compress` of the 16 words at `ptr + at`, lane by lane."""
+    return _compress(
+        h0, h1, h2, h3, h4, h5, h6, h7,
+        _word(ptr, at, mask), _word(ptr, at + 1, mask), _word(ptr, at + 2, mask), _word(ptr, at + 3, mask),
+        _word(ptr, at + 4, mask), _word(ptr, at + 5, mask), _word(ptr, at + 6, mask), _word(ptr, at + 7, mask),
+        _word(ptr, at + 8, mask), _word(ptr, at + 9, mask), _word(ptr, at + 10, mask), _word(ptr, at + 11, mask),
+        _word(ptr, at + 12, mask), _word(ptr, at + 13, mask), _word(ptr, at + 14, mask),
+        _word(ptr, at + 15, mask), t0, t1, block_len, flags)
+
+
+@triton.jit
 def _store(ptr, base, mask, h0, h1, h2, h3, h4, h5, h6, h7):
     tl.store(ptr + base, h0.to(tl.int32, bitcast=True), mask=mask)
     tl.store(ptr + base + 1, h1.to(tl.int32, bitcast=True), mask=mask)
@@ -102,14 +115,8 @@ def _chunks_kernel(words, out, n_chunks, first_chunk, last_len, root_flag, LANES
         last = b == blocks - 1
         block_len = tl.where(last, length - b * 64, 64).to(tl.uint32)
         flags = (tl.where(last, 2 + root_flag, 0) + tl.where(b == 0, 1, 0)).to(tl.uint32)
-        o0, o1, o2, o3, o4, o5, o6, o7 = _compress(
-            h0, h1, h2, h3, h4, h5, h6, h7,
-            _word(words, at, live), _word(words, at + 1, live), _word(words, at + 2, live),
-            _word(words, at + 3, live), _word(words, at + 4, live), _word(words, at + 5, live),
-            _word(words, at + 6, live), _word(words, at + 7, live), _word(words, at + 8, live),
-            _word(words, at + 9, live), _word(words, at + 10, live), _word(words, at + 11, live),
-            _word(words, at + 12, live), _word(words, at + 13, live), _word(words, at + 14, live),
-            _word(words, at + 15, live), t0, t1, block_len, flags)
+        o0, o1, o2, o3, o4, o5, o6, o7 = _compress_at(h0, h1, h2, h3, h4, h5, h6, h7, words, at, live, t0, t1,
+                                                      block_len, flags)
         active = b < blocks
         h0 = tl.where(active, o0, h0)
         h1 = tl.where(active, o1, h1)
@@ -130,14 +137,8 @@ def _parents_kernel(nodes, out, pairs, flags, LANES: tl.constexpr):
     at = idx.to(tl.int64) * 16
     zero = (idx * 0).to(tl.uint32)
     h0, h1, h2, h3, h4, h5, h6, h7 = _iv(zero)
-    o0, o1, o2, o3, o4, o5, o6, o7 = _compress(
-        h0, h1, h2, h3, h4, h5, h6, h7,
-        _word(nodes, at, live), _word(nodes, at + 1, live), _word(nodes, at + 2, live),
-        _word(nodes, at + 3, live), _word(nodes, at + 4, live), _word(nodes, at + 5, live),
-        _word(nodes, at + 6, live), _word(nodes, at + 7, live), _word(nodes, at + 8, live),
-        _word(nodes, at + 9, live), _word(nodes, at + 10, live), _word(nodes, at + 11, live),
-        _word(nodes, at + 12, live), _word(nodes, at + 13, live), _word(nodes, at + 14, live),
-        _word(nodes, at + 15, live), zero, zero, (zero + 64).to(tl.uint32), (zero + flags).to(tl.uint32))
+    o0, o1, o2, o3, o4, o5, o6, o7 = _compress_at(h0, h1, h2, h3, h4, h5, h6, h7, nodes, at, live, zero, zero,
+                                                  (zero + 64).to(tl.uint32), (zero + flags).to(tl.uint32))
     _store(out, idx.to(tl.int64) * 8, live, o0, o1, o2, o3, o4, o5, o6, o7)
 
 
