@@ -336,6 +336,41 @@ def test_absent_member_fails_the_others_within_the_timeout() -> None:
         assert members[peer]._rounds == {}
 
 
+class _LateClient(LoopbackClient):
+    """A member whose parts reach their owners `delay` seconds late: a slow machine, a slow link."""
+
+    delay = 0.0
+
+    async def call(self, peer_id, method, meta, tensors, timeout):
+        await asyncio.sleep(self.delay)
+        return await super().call(peer_id, method, meta, tensors, timeout)
+
+
+def test_a_round_waits_as_long_as_this_members_rounds_have_been_taking() -> None:
+    """peerB's parts come 0.8 s late, round after round: its groupmates' rounds take that long, and then
+    a part 1.3 s late, beyond `net.allreduce_timeout` (1 s), is still waited for instead of the round
+    being given up and peerB left out of the next groups. A member that died would cost at most 4 s."""
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    members = make_members(ids, timeout=SHORT)
+    late = members["peerB"].client = _LateClient("peerB", members, EXACT)
+    assert all(m.timeout == SHORT for m in members.values())  # before any round was timed: the floor
+
+    async def round_(epoch: int, delay: float) -> list[RoundResult]:
+        late.delay = delay
+        flat = grads(samples, 100, seed=epoch)
+        return await asyncio.gather(*(members[p].run(epoch, ids, flat[p], samples[p]) for p in ids))
+
+    async def main() -> list[RoundResult]:
+        for epoch in range(3):
+            await round_(epoch, 0.8)
+        assert all(SHORT + 0.5 < m.timeout < 4 * SHORT for m in members.values())
+        return await round_(3, 1.3)
+
+    results = asyncio.run(main())
+    assert_exact_mean(results, grads(samples, 100, seed=3), samples)
+
+
 def test_a_member_whose_own_part_was_reduced_says_its_failed_round_may_have_been_applied() -> None:
     """peerA reduces its own part (peerB's contribution came) but peerB's answer never comes in time, as
     from a slow owner: peerA's round fails, and others may yet step with its part; peerB never got

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 
 from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem, check_receipts
 from swarm.core.partition import split_evenly
+from swarm.core.throughput import LatencyTracker
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -61,6 +63,7 @@ NOT_READY = "not ready:"
 
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
+ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
 class RoundFailed(Exception):
     """This round did not complete on this member; its gradients are kept for the next try.
     `unreachable`: members no call could reach, or that sent nothing before the timeout (dead or
@@ -143,11 +146,21 @@ class StageAllReduce:
         self.client = client
         self.own_id = own_id
         self.stage = stage
-        self.timeout = timeout
+        self.floor = timeout  # `net.allreduce_timeout`: what a round waits before any round was timed here
+        self._took = LatencyTracker()  # how long this member's completed rounds took
         self.on_wake = on_wake
         self._rounds: dict[int, _Round] = {}  # keyed by epoch: at most one round per epoch is open
         self._started: dict[int, asyncio.Event] = {}
         self._finished: dict[int, _Round] = {}  # recent completed rounds, for members whose reply was lost
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a round waits for its parts: `net.allreduce_timeout`, or longer where this member's
+        completed rounds took long (a slow groupmate, a slow link, a large stage): their mean and four
+        deviations, up to ROUND_CEILING times the floor. A round given up at a slow groupmate leaves it out
+        of the next groups and splits the stage's replicas (`swarm.server.stepping`); waiting as long as
+        rounds take avoids that, and a member that died costs at most the ceiling."""
+        return self._took.timeout(self.floor, ROUND_CEILING * self.floor) if self._took.observed else self.floor
 
     def _started_event(self, epoch: int) -> asyncio.Event:
         return self._started.setdefault(epoch, asyncio.Event())
@@ -166,6 +179,7 @@ class StageAllReduce:
         id) show the owners that the trainers gave us those microbatches (see swarm.net.receipts)."""
         if self.own_id not in group:
             raise ValueError("a member must belong to its own group")
+        began = time.monotonic()
         bounds = part_bounds(flat_grad.numel(), len(group))
         own_part = bounds[group.index(self.own_id)]
         self._finished.pop(epoch, None)  # a new attempt: an earlier failed one's answers are void
@@ -187,6 +201,7 @@ class StageAllReduce:
         if len(totals) != 1:
             raise RoundFailed(f"owners disagree on the samples: {sorted(t for t, _ in totals)}")
         self._finished[epoch] = rnd
+        self._took.observe(time.monotonic() - began)
         for old in [e for e in self._finished if e < epoch - 2]:
             del self._finished[old]
         total, merged = totals.pop()

@@ -217,7 +217,9 @@ class NetConfig:
     announce_period: float = 1.0  # seconds between DHT announcements
     record_ttl: float = 6.0  # seconds an announcement lives unless renewed
     max_payload_mb: float = 64.0  # requests larger than this are refused
-    allreduce_timeout: float = 15.0  # seconds a stage all-reduce may take before it is retried
+    # seconds a stage all-reduce waits for its parts before it is retried; longer (up to 4x) where this
+    # replica's rounds have been taking longer (see swarm.averaging.allreduce.StageAllReduce.timeout)
+    allreduce_timeout: float = 15.0
     # a JSON file of message delay/loss rules for this peer's stage calls (fault injection; see
     # swarm.net.faultfile); empty for none
     fault_file: str = ""

@@ -102,6 +102,10 @@ class LatencyTracker:
         self._deviation += self.beta * (abs(self._mean - seconds) - self._deviation)
         self._mean += self.alpha * (seconds - self._mean)
 
+    @property
+    def observed(self) -> bool:
+        return self._mean is not None
+
     def timeout(self, floor: float, ceiling: float) -> float:
         """Seconds to wait for the next call; `ceiling` until anything was observed."""
         if floor > ceiling:
