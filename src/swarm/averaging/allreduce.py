@@ -64,8 +64,6 @@ NOT_READY = "not ready:"
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
 ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
-
-
 class RoundFailed(Exception):
     """This round did not complete on this member; its gradients are kept for the next try.
     `unreachable`: members no call could reach, or that sent nothing before the timeout (dead or
