@@ -56,6 +56,7 @@ def failures_on(swarm: LocalSwarm, victim: Peer) -> list[tuple[float, float]]:
 
 
 BAN = 0.5  # seconds a trainer first bans a server that failed it (doubling, up to 8 times as long)
+DHT_RPC_WAIT = 3.0  # seconds a DHT read waits for an unresponsive node (hivemind's wait_timeout)
 SERVED_SLOWLY = 1.5  # seconds each message of both stage-0 servers waits before the kill
 
 
@@ -73,8 +74,8 @@ def waiting_at(failures: list[tuple[float, float]], moment: float) -> list[float
 @pytest.mark.timeout(300)
 def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
     """Calls queue at a slowed stage-0 server with timeouts far longer than what follows. It is frozen
-    (a stalled machine: no connection breaks): its calls are given up once its record lapses, within
-    net.record_ttl and a view refresh or two, not at their timeouts. The stage steps on without it;
+    (a stalled machine: no connection breaks): its calls are given up once its record expires, by the
+    first view read after that, not at their timeouts. The stage steps on without it;
     thawed, it downloads the current state (it never serves its stale weights) and steps with its stage
     again. Then it and its stage's other server are slowed alike (trainers favour the faster of two, so
     both are slow for calls to keep waiting at it), and its main process alone is SIGKILLed: its helpers
@@ -91,15 +92,18 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
         now, kinds = time.time(), [e.kind for e in faults.events]
         if not victim and status.min_epoch >= 3:
             victim.append(swarm.servers(stage=0)[0])
-            faults.delay(victim[0], seconds=0.5)
-        elif kinds == ["delay"] and now - faults.events[-1].time > 2.0:
+            # both serve slowly (trainers favour the faster of two): calls are waiting at it when it freezes
+            for server in swarm.servers(stage=0):
+                faults.delay(server, seconds=0.5)
+        elif kinds == ["delay", "delay"] and now - faults.events[-1].time > 2.0:
             faults.freeze(victim[0])
             marks["frozen_epoch"] = max(status.epochs[0])
-        elif (kinds == ["delay", "freeze"] and now - faults.events[-1].time > cfg.net.record_ttl + 2
+        elif (kinds == ["delay", "delay", "freeze"] and now - faults.events[-1].time > cfg.net.record_ttl + 2
               and max(status.epochs.get(0) or [0]) >= marks["frozen_epoch"] + 2):  # it stepped on without it
             faults.thaw(victim[0])
-            faults.delay(victim[0], seconds=0.0)
-        elif kinds == ["delay", "freeze", "thaw", "delay"] and "back" not in marks:
+            for server in swarm.servers(stage=0):
+                faults.delay(server, seconds=0.0)
+        elif kinds == ["delay", "delay", "freeze", "thaw", "delay", "delay"] and "back" not in marks:
             caught_up = re.findall(r"loaded epoch (\d+)", victim[0].log_path.read_text())
             if caught_up and any(s["epoch"] > int(caught_up[-1]) and s["group"] == 2 for s in steps_of(victim[0])):
                 marks["back"] = now  # caught up, and stepped with its stage again
@@ -108,7 +112,7 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
                 faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=SERVED_SLOWLY)
         # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed and its
         # record shows gradients it took since its last step: trainers send it calls again
-        elif (len(kinds) == 6 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1
+        elif (len(kinds) == 8 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1
               and any(r.name == victim[0].name and r.pending > 0 for r in status.servers.get(0, []))):
             os.kill(victim[0].process.pid, signal.SIGKILL)
             marks["killed"] = time.time()
@@ -120,10 +124,11 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
 
     assert "end" in marks, (faults.events, marks)
     failures = failures_on(swarm, victim[0])
-    given_up = waiting_at(failures, faults.events[1].time)
+    given_up = waiting_at(failures, faults.events[2].time)
     assert given_up, "no call was waiting on the frozen server"
-    # its record lapses record_ttl after its last announcement; two view refreshes later its calls go
-    assert max(given_up) <= cfg.net.record_ttl + 2, given_up
+    # its record expires record_ttl after its last announcement, and the view read begun just after that
+    # misses it: that read may wait out the DHT's RPC timeout on the frozen machine's DHT node once
+    assert max(given_up) <= cfg.net.record_ttl + DHT_RPC_WAIT + 1, given_up
     resent = waiting_at(failures, marks["killed"])
     assert resent, "no call was waiting on the killed server"
     assert max(resent) <= 3, resent  # well under the calls' 12 s timeouts

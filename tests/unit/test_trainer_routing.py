@@ -15,7 +15,7 @@ from swarm.config import agreed, config_hash, load_config
 from swarm.core.routing import LATENCY_ALPHA, MAX_LATENCY_RATIO
 from swarm.net.transport import CallFailed
 from swarm.trainer.calls import StageCaller
-from swarm.trainer.view import SwarmView
+from swarm.trainer.view import LAPSE_MARGIN, SwarmView, until_next_view
 from swarm.wire.records import ServerRecord
 
 
@@ -184,6 +184,47 @@ def test_a_server_is_measured_per_request_it_served_not_per_call():
     assert measured.latency("slow") > 3 * measured.latency("busy")
 
 
+class _Directory:
+    """Lists `listed` as stage 0's servers at DHT time `clock`, each record expiring 6 s after it was read."""
+
+    def __init__(self, listed: list[ServerRecord]):
+        self.listed, self.clock = listed, 100.0
+        self.expires: dict[str, float] = {}
+
+    def now(self) -> float:
+        return self.clock
+
+    async def stages(self, num_stages):
+        self.expires.update((r.peer_id, self.clock + 6.0) for r in self.listed)
+        return {0: list(self.listed)}
+
+
+def test_a_server_that_stopped_renewing_is_gone_after_one_view_read_past_its_records_expiry():
+    """A frozen server's record expires: the first view whose read began after that and misses it makes
+    the server gone. One that still renews stays through a view that misses it (a partial DHT read), and
+    calls waiting on a server wake the view just after its record expires."""
+    cfg = load_config(overrides=["model.num_stages=1"])
+    frozen, renewing = (ServerRecord(p, 0, 1.0, 0, 0, 0, config_hash(cfg), {}) for p in ("frozen", "renewing"))
+    view, directory = SwarmView(1, config_hash(cfg), agreed(cfg), 1.0), _Directory([frozen, renewing])
+    asyncio.run(view.refresh(directory))  # both expire at 106
+    assert until_next_view(1.0, directory, {"frozen"}) == 1.0
+    directory.listed = [renewing]
+    directory.clock = 103.0
+    asyncio.run(view.refresh(directory))  # renewed: expires at 109
+    assert not view.gone(0, "frozen")
+    directory.clock = 105.5
+    assert until_next_view(1.0, directory, {"frozen"}) == pytest.approx(0.5 + LAPSE_MARGIN)
+    assert until_next_view(1.0, directory, {"renewing"}) == 1.0
+    directory.clock = 106.0 + LAPSE_MARGIN
+    directory.listed = []  # a partial read: the renewing server missing too
+    asyncio.run(view.refresh(directory))
+    assert view.gone(0, "frozen")
+    assert not view.gone(0, "renewing")
+    directory.listed = [frozen, renewing]  # the frozen one is back (thawed, and renewing again)
+    asyncio.run(view.refresh(directory))
+    assert not view.gone(0, "frozen")
+
+
 def test_a_holder_stays_alive_while_views_stall_and_is_taken_for_gone_only_once_views_miss_it(monkeypatch):
     """Seen lately: in a view of the last three announcement periods, or in one of the last three views.
     Views that stall (a DHT lookup waiting on an unreachable node) must not make every server look dead:
@@ -193,13 +234,7 @@ def test_a_holder_stays_alive_while_views_stall_and_is_taken_for_gone_only_once_
     monkeypatch.setattr("swarm.trainer.view.time.monotonic", lambda: clock[0])
     record = ServerRecord("holder", 0, 1.0, 0, 0, 0, config_hash(cfg), {})
 
-    class Directory:
-        listed = [record]
-
-        async def stages(self, num_stages):
-            return {0: list(self.listed)}
-
-    view, directory = SwarmView(1, config_hash(cfg), agreed(cfg), 1.0), Directory()
+    view, directory = SwarmView(1, config_hash(cfg), agreed(cfg), 1.0), _Directory([record])
     asyncio.run(view.refresh(directory))
     clock[0] += 30.0  # no view for 30 s
     assert view.seen_lately(0, "holder")

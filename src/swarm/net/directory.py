@@ -38,6 +38,9 @@ class Directory:
         self.dht = dht
         self.run_id = run_id
         self.ttl = record_ttl
+        # server -> DHT time at which the newest of its records read so far expires: a read begun after
+        # that which does not list it shows it stopped renewing (see swarm.trainer.view)
+        self.expires: dict[str, float] = {}
         self._unvouched: set[str] = set()  # sources of states refused as unvouched (logged once each)
 
     async def announce_server(self, record: ServerRecord) -> None:
@@ -57,7 +60,11 @@ class Directory:
         """Live servers of one stage, malformed and withdrawn entries dropped."""
         found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
         parse = _by_peer(ServerRecord.from_value)
-        return [r for r in _parse(found, parse, self.ttl + CLOCK_SLACK) if not r.gone and r.stage == stage]
+        live = [(r, expires) for r, expires in _entries(found, parse, self.ttl + CLOCK_SLACK)
+                if not r.gone and r.stage == stage]
+        for r, expires in live:
+            self.expires[r.peer_id] = max(expires, self.expires.get(r.peer_id, expires))
+        return [r for r, _ in live]
 
     async def vouch(self, stage: int, config_hash: str, me: str, source: str, meta: dict,
                     known: Iterable[ServerRecord], wait: float) -> bool:
@@ -140,21 +147,26 @@ def _by_peer(parse):
     return checked
 
 
-def _parse(found, parse, max_lifetime: float = math.inf):
+def _parse(found, parse, max_lifetime: float = math.inf) -> list:
     """The well-formed records of a dictionary value; those set to outlive `max_lifetime` are ignored (a
     server record that would stay in view long after its writer died)."""
+    return [record for record, _ in _entries(found, parse, max_lifetime)]
+
+
+def _entries(found, parse, max_lifetime: float) -> list[tuple]:
+    """`_parse`'s records, each with the DHT time at which it expires."""
     if found is None or not isinstance(found.value, dict):
         return []
-    records, latest = [], get_dht_time() + max_lifetime
+    entries, latest = [], get_dht_time() + max_lifetime
     for subkey, item in found.value.items():
         if item.expiration_time > latest:
             log.debug("ignoring record %s: it expires too late", str(subkey)[:60])
             continue
         try:
-            records.append(parse(str(subkey), item.value))
+            entries.append((parse(str(subkey), item.value), item.expiration_time))
         except (RecordError, TypeError, ValueError) as e:
             log.debug("ignoring malformed record from %s: %s", subkey, e)
-    return records
+    return entries
 
 
 def note_fresh_start(noted: dict[str, dict], record: ServerRecord) -> None:

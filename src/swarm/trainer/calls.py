@@ -190,10 +190,14 @@ class StageCaller:
         self.measured[call.stage].answered(peer, method, elapsed / per_request)
         return reply
 
+    def waited_on(self) -> set[tuple[int, str]]:
+        """(stage, server) of each server our calls are waiting on."""
+        return {key for key, waiting in self._calls.items() if waiting}
+
     def abandon_gone(self) -> None:
         """Give up at once the calls waiting on a server that has been out of our view of its stage for a
         while (its record expired or was withdrawn, or it moved), instead of waiting out their timeouts:
-        a frozen or cut-off server is left within `net.record_ttl` and a refresh or two."""
+        a frozen or cut-off server is left once its record expires and a view read after that misses it."""
         for (stage, peer), waiting in self._calls.items():
             if waiting and self.view.gone(stage, peer):
                 log.info("%d stage %d call(s) to %s abandoned: it is gone from the stage", len(waiting), stage,

@@ -42,7 +42,7 @@ from swarm.trainer.delivery import GradientKeeper
 from swarm.trainer.evaluation import Validator
 from swarm.trainer.feed import BlockLost, DataFeed, Piece
 from swarm.trainer.progress import Completed, Progress
-from swarm.trainer.view import SwarmView
+from swarm.trainer.view import SwarmView, until_next_view
 from swarm.wire.records import TrainerRecord
 
 log = logging.getLogger("swarm.trainer")
@@ -283,7 +283,8 @@ class Trainer:
         gone server's calls are abandoned within a few views): each read is served by every DHT node
         holding the stage's key, CPU taken from the compute of every host."""
         while True:
-            await asyncio.sleep(self.cfg.net.announce_period)
+            waited_on = {peer for _, peer in self.caller.waited_on()}
+            await asyncio.sleep(until_next_view(self.cfg.net.announce_period, self.directory, waited_on))
             try:
                 await self.view.refresh(self.directory)
                 self.caller.abandon_gone()

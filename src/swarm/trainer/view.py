@@ -14,6 +14,7 @@ from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.trainer")
+LAPSE_MARGIN = 0.1  # seconds after a record's expiry that the view read telling whether it was renewed begins
 EPOCH_LEAD = 2  # steps a replica may be ahead of most of its stage's and still set the epoch callers expect
 
 
@@ -32,10 +33,13 @@ class SwarmView:
         self._last_seen: dict[tuple[int, str], float] = {}
         self._refreshes = 0
         self._last_listed: dict[tuple[int, str], int] = {}  # (stage, server) -> the last refresh that listed it
+        # servers missing from a view whose read began after their newest record had expired: not renewed
+        self._lapsed: set[tuple[int, str]] = set()
         # replicas whose operator started their stage afresh mid-run (its training lost): when, for the summary
         self.fresh_starts: dict[str, dict] = {}
 
     async def refresh(self, directory: Directory) -> None:
+        began = directory.now()
         for stage, records in (await directory.stages(self.num_stages)).items():
             usable = []
             for r in records:
@@ -56,6 +60,10 @@ class SwarmView:
             now = time.monotonic()
             self._last_seen.update(((stage, r.peer_id), now) for r in usable)
             self._last_listed.update(((stage, r.peer_id), self._refreshes) for r in usable)
+            listed = {r.peer_id for r in usable}
+            self._lapsed -= {(stage, peer) for peer in listed}
+            self._lapsed |= {(k, peer) for k, peer in self._last_listed
+                             if k == stage and peer not in listed and directory.expires.get(peer, math.inf) <= began}
         self._refreshes += 1
 
     def saw_epoch(self, stage: int, epoch: int, peer: str) -> None:
@@ -98,9 +106,10 @@ class SwarmView:
         return statistics.median_low(epochs) if epochs else self.stage_epoch[stage]
 
     def gone(self, stage: int, peer: str) -> bool:
-        """Whether a server has been missing from the last two views of its stage (its record expired or
-        was withdrawn, or it moved): two, since one DHT lookup can come back partial under load."""
-        return self._refreshes - self._last_listed.get((stage, peer), -1) > 2
+        """Whether a server is out of its stage: missing from a view read after its newest record had
+        expired (it stopped renewing it: a frozen or cut-off machine), or from the last two views (its
+        record was withdrawn, or it moved; two, since one DHT lookup can come back partial under load)."""
+        return (stage, peer) in self._lapsed or self._refreshes - self._last_listed.get((stage, peer), -1) > 2
 
     def seen_lately(self, stage: int, peer: str) -> bool:
         """Whether a server counts as alive: in one of the views of the last few announcement periods, or
@@ -109,3 +118,12 @@ class SwarmView:
         DHT node): a live holder taken for dead has its gradients accumulated twice."""
         recently = time.monotonic() - self._last_seen.get((stage, peer), -math.inf) < 3 * self.announce_period
         return recently or self._refreshes - self._last_listed.get((stage, peer), -math.inf) <= 3
+
+
+def until_next_view(period: float, directory: Directory, waited_on: Collection[str]) -> float:
+    """Seconds until the next view: an announcement period, or less where a server our calls wait on has a
+    record expiring sooner. The view read just after that expiry tells whether it was renewed, so calls
+    waiting on a frozen server are given up within one read of its record's expiry."""
+    now = directory.now()
+    due = [directory.expires[peer] - now for peer in waited_on if peer in directory.expires]
+    return min([period] + [d + LAPSE_MARGIN for d in due if d > 0])
