@@ -14,7 +14,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.averaging.allreduce import ROUND_CEILING, RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
 from swarm.averaging.checks import POISON, Bounds
 from swarm.net.identity import peer_id_of
 from swarm.net.protocol import decode, encode
@@ -369,6 +369,46 @@ def test_a_round_waits_as_long_as_this_members_rounds_have_been_taking() -> None
 
     results = asyncio.run(main())
     assert_exact_mean(results, grads(samples, 100, seed=3), samples)
+
+
+class _SlowAnswers(LoopbackClient):
+    """A member to whom owners' answers come `delay` seconds after they were given: slow owners."""
+
+    delay = 0.0
+
+    async def call(self, peer_id, method, meta, tensors, timeout):
+        answer = await super().call(peer_id, method, meta, tensors, timeout)
+        await asyncio.sleep(self.delay)
+        return answer
+
+
+def test_an_owner_that_sent_its_part_is_waited_for_past_the_timeout_up_to_the_ceiling() -> None:
+    """peerB's part for peerA's half comes at once, but its answer for its own half comes 0.5 s past the
+    round's timeout, in this member's first round (nothing timed yet): peerB is alive and in the round, and
+    peerA has already answered it, so both complete instead of peerA falling a step behind. An answer that
+    never comes is given up at ROUND_CEILING times the timeout."""
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 100)
+    members = make_members(ids, timeout=SHORT)
+    slow = members["peerA"].client = _SlowAnswers("peerA", members, EXACT)
+    slow.delay = SHORT + 0.5
+
+    async def round_(epoch: int) -> list[Any]:
+        return await asyncio.gather(*(members[p].run(epoch, ids, flat[p], samples[p]) for p in ids),
+                                    return_exceptions=True)
+
+    assert_exact_mean(run_all(round_(0)), flat, samples)
+    slow.delay = 60.0
+
+    async def never_answered() -> tuple[list[Any], float]:
+        start = asyncio.get_running_loop().time()
+        results = await round_(1)
+        return results, asyncio.get_running_loop().time() - start
+
+    (a, b), took = run_all(never_answered())
+    assert isinstance(a, RoundFailed) and a.maybe_applied and isinstance(b, RoundResult), (a, b)
+    assert ROUND_CEILING * SHORT <= took < ROUND_CEILING * SHORT + 1.0, took
 
 
 def test_a_member_whose_own_part_was_reduced_says_its_failed_round_may_have_been_applied() -> None:

@@ -64,6 +64,8 @@ NOT_READY = "not ready:"
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
 ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
+
+
 class RoundFailed(Exception):
     """This round did not complete on this member; its gradients are kept for the next try.
     `unreachable`: members no call could reach, or that sent nothing before the timeout (dead or
@@ -113,6 +115,7 @@ class _Round:
     result: tuple[codecs.Packed, int, list[str]] | None = None
     poisoned: set[str] = field(default_factory=set)  # members whose contribution was refused as poison
     silent: frozenset[str] = frozenset()  # members whose part never came (why the round was given up)
+    began: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -214,14 +217,13 @@ class StageAllReduce:
         gathered = asyncio.gather(*tasks)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
-            async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
-                return await gathered
+            return await self._await_parts(rnd, gathered)
         except _Unreachable as e:
             raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
         except TimeoutError as e:  # members whose part never reached us are the ones that hang
             silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
             raise RoundFailed(f"epoch {epoch}: no part from [{','.join(map(short, sorted(silent)))}] within "
-                              f"{self.timeout:.0f}s", silent) from e
+                              f"{time.monotonic() - rnd.began:.0f}s", silent) from e
         except (CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e
@@ -242,6 +244,23 @@ class StageAllReduce:
             self._started.pop(epoch, None)
             if rnd.result is None:
                 rnd.complete.set()  # release members still waiting on this round: it is abandoned
+
+    async def _await_parts(self, rnd: _Round, gathered: asyncio.Future) -> list:
+        """`gathered` within the round's timeout, or, once every member's part for ours has come, up to
+        ROUND_CEILING times the floor: those members are alive and in this round, and an owner's answer that
+        is late is a slow machine reducing its part (our part's answer has gone out, so the others may step
+        with it, and giving up would leave us a step behind them). A member that sent nothing is not
+        waited for past the timeout. (asyncio.timeout, not wait_for: wait_for can lose a cancellation.)"""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await asyncio.shield(gathered)
+        except TimeoutError:
+            if len(rnd.contributions) < len(rnd.group):
+                raise
+        log.info("epoch %d: every part for ours is in; waiting up to %.0fs for the other owners' answers",
+                 rnd.epoch, ROUND_CEILING * self.floor)
+        async with asyncio.timeout(rnd.began + ROUND_CEILING * self.floor - time.monotonic()):
+            return await gathered
 
     def _silent_here(self, rnd: _Round, abandoned: str) -> frozenset[str]:
         """The members an owner named when it gave up its round for want of their parts ("abandoned: no part
@@ -277,8 +296,9 @@ class StageAllReduce:
             # that no call reaches has most likely died, and the round fails now rather than at its timeout
             for attempt in range(REDUCE_ATTEMPTS):
                 try:
+                    # (the round's own wait bounds the call: see `_await_parts`)
                     reply, tensors = await self.client.call(owner, "reduce", meta, [Tagged("allreduce", part)],
-                                                            self.timeout)
+                                                            ROUND_CEILING * self.floor)
                     break
                 except CallFailed as e:
                     if e.refused and not any(mark in str(e) for mark in (NOT_READY, DIVERGED, POISON)):

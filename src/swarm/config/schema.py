@@ -218,7 +218,8 @@ class NetConfig:
     record_ttl: float = 6.0  # seconds an announcement lives unless renewed
     max_payload_mb: float = 64.0  # requests larger than this are refused
     # seconds a stage all-reduce waits for its parts before it is retried; longer (up to 4x) where this
-    # replica's rounds have been taking longer (see swarm.averaging.allreduce.StageAllReduce.timeout)
+    # replica's rounds have been taking longer, or where only owners' answers are missing (see
+    # swarm.averaging.allreduce.StageAllReduce.timeout and _await_parts)
     allreduce_timeout: float = 15.0
     # a JSON file of message delay/loss rules for this peer's stage calls (fault injection; see
     # swarm.net.faultfile); empty for none
