@@ -177,8 +177,8 @@ class Trainer:
             task.add_done_callback(lambda t: (running.discard(t), self._forwarding.discard(t), slots.release()))
         self.stopped_starting = time.time()
         self._give_up_forwards()
-        # a microbatch given up before its task first ran ends cancelled without entering its own handler
-        # (on a fast GPU the target can be reached while the last one is handed out): that is no error
+        # a microbatch given up ends cancelled, whether it was under way or had not yet run (on a fast GPU the
+        # target can be reached while the last one is handed out): that is no error
         for result in await asyncio.gather(*running, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
@@ -214,11 +214,6 @@ class Trainer:
         owed: list[str] = []  # servers that ran this microbatch's forwards, whose backwards are still to come
         try:
             await self._through_stages(batch, piece, owed)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task not in self._forwarding or task.cancelling() > 1:  # not (only) given up by `_feed`
-                raise
-            task.uncancel()
         finally:
             for peer in owed:
                 self.caller.repay(peer)
