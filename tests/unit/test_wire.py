@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Any
 
@@ -256,3 +257,36 @@ def test_a_record_whose_subkey_is_no_peer_id_is_dropped_and_the_rest_read() -> N
     })
     records = _parse(found, _by_peer(ServerRecord.from_value), max_lifetime=60)
     assert [r.peer_id for r in records] == [good]
+
+
+def test_a_stage_read_keeps_when_each_servers_newest_record_expires_and_forgets_long_expired_ones() -> None:
+    """A trainer takes a server for gone once a read begun after its newest record expired misses it
+    (swarm.trainer.view): the expiry kept is the latest read, never an older copy's, and an expiry long
+    past is forgotten, so churn does not grow the table without bound."""
+    from types import SimpleNamespace
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from hivemind.utils import get_dht_time
+
+    from swarm.net.directory import FORGET_EXPIRED, Directory
+    from swarm.net.identity import peer_id_of
+
+    record = server_record()
+    peer, gone = (peer_id_of(Ed25519PrivateKey.generate().public_key()) for _ in range(2))
+    now = get_dht_time()
+
+    class DHT:
+        entries: dict = {}
+
+        async def get(self, key, latest, return_future):
+            return SimpleNamespace(value={p: SimpleNamespace(value=record.to_value(), expiration_time=t)
+                                          for p, t in self.entries.items()})
+
+    directory = Directory(DHT(), "run", record_ttl=6.0)
+    directory.expires[gone] = now - FORGET_EXPIRED - 1
+    DHT.entries = {peer: now + 6}
+    asyncio.run(directory.stage(record.stage))
+    assert directory.expires == {peer: now + 6}
+    DHT.entries = {peer: now + 3}  # an older copy, from a node the renewal has not reached
+    asyncio.run(directory.stage(record.stage))
+    assert directory.expires == {peer: now + 6}

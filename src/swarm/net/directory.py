@@ -31,6 +31,7 @@ from swarm.wire.records import (
 
 log = logging.getLogger(__name__)
 CLOCK_SLACK = 10.0  # seconds by which peers' clocks may differ (the DHT's time is each peer's own)
+FORGET_EXPIRED = 600.0  # seconds after its last record expired that a server's expiry is forgotten
 
 
 class Directory:
@@ -64,6 +65,9 @@ class Directory:
                 if not r.gone and r.stage == stage]
         for r, expires in live:
             self.expires[r.peer_id] = max(expires, self.expires.get(r.peer_id, expires))
+        long_gone = get_dht_time() - FORGET_EXPIRED
+        for peer in [p for p, expires in self.expires.items() if expires < long_gone]:
+            del self.expires[peer]
         return [r for r, _ in live]
 
     async def vouch(self, stage: int, config_hash: str, me: str, source: str, meta: dict,
