@@ -14,8 +14,9 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import ROUND_CEILING, RoundFailed, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.averaging.allreduce import ROUND_CEILING, RoundResult, StageAllReduce, merge_ids, part_bounds
 from swarm.averaging.checks import POISON, Bounds
+from swarm.averaging.failures import RoundFailed
 from swarm.net.identity import peer_id_of
 from swarm.net.protocol import decode, encode
 from swarm.net.receipts import sign_receipt

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem, check_receipts
+from swarm.averaging.failures import RefusedBy, RoundFailed, Unreachable, WeightsDiverged
 from swarm.core.partition import split_evenly
 from swarm.core.throughput import LatencyTracker
 from swarm.net.directory import short
@@ -64,39 +65,6 @@ NOT_READY = "not ready:"
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
 ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
-
-
-class RoundFailed(Exception):
-    """This round did not complete on this member; its gradients are kept for the next try.
-    `unreachable`: members no call could reach, or that sent nothing before the timeout (dead or
-    frozen; the next group should leave them out)."""
-
-    def __init__(self, message: str, unreachable: frozenset[str] = frozenset(),
-                 refused_by: frozenset[str] = frozenset()):
-        super().__init__(message)
-        self.unreachable = unreachable
-        self.refused_by = refused_by  # owners that answered our part with a refusal
-        self.maybe_applied = False  # our own part was reduced: a member that got every part may have stepped
-
-
-class _RefusedBy(CallFailed):
-    def __init__(self, owner: str, error: CallFailed):
-        super().__init__(str(error), refused=True)
-        self.owner = owner
-
-
-class _Unreachable(Exception):
-    def __init__(self, owner: str, error: CallFailed):
-        super().__init__(f"{short(owner)} unreachable: {error}")
-        self.owner = owner
-
-
-class WeightsDiverged(RoundFailed):
-    """Members of the group hold different weights at the same epoch; a round cannot fix that."""
-
-    def __init__(self, message: str, group: tuple[str, ...]):
-        super().__init__(message)
-        self.group = group
 
 
 def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -218,7 +186,7 @@ class StageAllReduce:
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
             return await self._await_parts(rnd, gathered)
-        except _Unreachable as e:
+        except Unreachable as e:
             raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
         except TimeoutError as e:  # members whose part never reached us are the ones that hang
             silent = rnd.silent = frozenset(group) - rnd.contributions.keys() - {self.own_id}
@@ -233,7 +201,7 @@ class StageAllReduce:
                 raise RoundFailed(f"epoch {epoch}: {e}; no part from [{','.join(map(short, sorted(silent)))}] "
                                   "here either", silent) from e
             members = ",".join(map(short, group))
-            refused_by = frozenset({e.owner}) if isinstance(e, _RefusedBy) else frozenset()
+            refused_by = frozenset({e.owner}) if isinstance(e, RefusedBy) else frozenset()
             kind = "CallFailed" if isinstance(e, CallFailed) else type(e).__name__
             raise RoundFailed(f"epoch {epoch} with [{members}]: {kind} {e}".rstrip(),
                               refused_by=refused_by) from e
@@ -302,11 +270,11 @@ class StageAllReduce:
                     break
                 except CallFailed as e:
                     if e.refused and not any(mark in str(e) for mark in (NOT_READY, DIVERGED, POISON)):
-                        raise _RefusedBy(owner, e) from e
+                        raise RefusedBy(owner, e) from e
                     if e.answered or e.timed_out:
                         raise
                     if attempt == REDUCE_ATTEMPTS - 1:
-                        raise _Unreachable(owner, e) from e
+                        raise Unreachable(owner, e) from e
                     log.info("reduce call to %s failed (%s); calling again", short(owner), e)
                     await asyncio.sleep(0.1)
         return self._check_answer(owner, part.numel(), reply, tensors)

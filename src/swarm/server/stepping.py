@@ -20,7 +20,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from swarm.averaging.allreduce import RoundFailed, StageAllReduce, WeightsDiverged
+from swarm.averaging.allreduce import StageAllReduce
+from swarm.averaging.failures import RoundFailed, WeightsDiverged
 from swarm.config import NetConfig, OptimConfig
 from swarm.core import backoff_delay
 from swarm.core.stepping import (
