@@ -7,6 +7,8 @@ import logging
 import re
 from datetime import datetime
 
+from swarm.net.quiet import QuietRepeats
+
 FORMAT = "%(asctime)s.%(msecs)03d %(levelname).1s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
 _STAMP = re.compile(r"(\d\d):(\d\d):(\d\d)\.(\d\d\d) ")
@@ -16,6 +18,9 @@ def setup(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=FORMAT, datefmt=DATE_FORMAT)
     for noisy in ("hivemind", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    aio = logging.getLogger("asyncio")
+    if not any(isinstance(f, QuietRepeats) for f in aio.filters):
+        aio.addFilter(QuietRepeats(aio, "socket.send() raised exception.", "writes to lost connections"))
 
 
 def logged_at(line: str) -> float | None:

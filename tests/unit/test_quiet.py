@@ -11,7 +11,7 @@ from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from swarm.net import protocol
-from swarm.net.quiet import Quiet
+from swarm.net.quiet import Quiet, QuietRepeats
 
 log = logging.getLogger("test.quiet")
 
@@ -83,3 +83,38 @@ def test_a_flood_of_malformed_stream_messages_writes_a_few_lines(
         messages = [r.getMessage() for r in caplog.records if r.name == protocol.log.name]
         assert messages[2:] == ["… and 48 more malformed stream messages in the last 61 s",
                                 "malformed stream message: TypeError"]
+
+
+def test_writes_to_a_lost_connection_log_a_few_lines_not_one_per_write(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncio logs a line for each write to a connection already lost (a reply streamed in chunks to a
+    caller that went away): with the filter every peer installs, a few pass and the rest are counted."""
+    aio = logging.getLogger("asyncio")
+
+    async def write_after_the_connection_is_lost() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        writer.transport.abort()
+        for _ in range(40):
+            writer.write(b"chunk")
+        server.close()
+        await server.wait_closed()
+
+    def lines_written() -> int:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="asyncio"):
+            asyncio.run(write_after_the_connection_is_lost())
+        return sum(r.getMessage() == "socket.send() raised exception." for r in caplog.records)
+
+    installed = list(aio.filters)  # a peer's set-up earlier in this process installed the filter
+    for f in installed:
+        aio.removeFilter(f)
+    repeats = QuietRepeats(aio, "socket.send() raised exception.", "writes to lost connections",
+                           Quiet(aio, lines=2, interval=60.0))
+    try:
+        assert lines_written() > 30  # asyncio alone: one line per write past its threshold
+        aio.addFilter(repeats)
+        assert lines_written() == 2
+    finally:
+        aio.removeFilter(repeats)
+        for f in installed:
+            aio.addFilter(f)

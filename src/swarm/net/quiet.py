@@ -66,3 +66,18 @@ class Quiet:
         """`logger.warning(msg, *args)` if a line of `kind` may be logged now; otherwise counted."""
         if self.admit(kind):
             self.logger.warning(msg, *args)
+
+
+class QuietRepeats(logging.Filter):
+    """A filter for a library's logger whose line `message` comes once per write: asyncio logs
+    "socket.send() raised exception." for every write to a connection already lost, so a reply streamed
+    in chunks to a caller that went away (a round given up, a call cancelled) wrote dozens of identical
+    lines at one millisecond. They are let through, and summed up, as `Quiet` does."""
+
+    def __init__(self, logger: logging.Logger, message: str, kind: str, quiet: Quiet | None = None):
+        super().__init__()
+        self.message, self.kind = message, kind
+        self.quiet = quiet or Quiet(logger)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message or self.quiet.admit(self.kind)
