@@ -58,7 +58,7 @@ def failures_on(swarm: LocalSwarm, victim: Peer) -> list[tuple[float, float]]:
 
 BAN = 0.5  # seconds a trainer first bans a server that failed it (doubling, up to 8 times as long)
 DHT_RPC_WAIT = 3.0  # seconds a DHT read waits for an unresponsive node (hivemind's wait_timeout)
-SERVED_SLOWLY = 1.5  # seconds each message of both stage-0 servers waits before the kill
+SERVED_SLOWLY = 1.5  # seconds each message of the victim waits before the kill (its stage's other: twice that)
 
 
 def steps_of(server: Peer) -> list[dict]:
@@ -78,8 +78,8 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
     (a stalled machine: no connection breaks): its calls are given up once its record expires, by the
     first view read after that, not at their timeouts. The stage steps on without it;
     thawed, it downloads the current state (it never serves its stale weights) and steps with its stage
-    again. Then it and its stage's other server are slowed alike (trainers favour the faster of two, so
-    both are slow for calls to keep waiting at it), and its main process alone is SIGKILLed: its helpers
+    again. Then it and, twice as much, its stage's other server are slowed (trainers favour the faster of
+    two, so calls keep waiting at it), and its main process alone is SIGKILLed: its helpers
     go with it, the connections break, and the calls it had are re-sent at once. Gradients it held unstepped are
     accumulated again from what the trainers kept."""
     cfg = small_config(tmp_path, "trainer.target_steps=1000", "trainer.min_request_timeout=12.0",
@@ -108,9 +108,10 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
             caught_up = re.findall(r"loaded epoch (\d+)", victim[0].log_path.read_text())
             if caught_up and any(s["epoch"] > int(caught_up[-1]) and s["group"] == 2 for s in steps_of(victim[0])):
                 marks["back"] = now  # caught up, and stepped with its stage again
-                # every call there waits SERVED_SLOWLY: at any moment some are waiting at each of them
+                # every call there waits SERVED_SLOWLY, and twice that at the other, which trainers then favour
+                # less: at any moment calls are waiting at the victim
                 faults.delay(victim[0], seconds=SERVED_SLOWLY)
-                faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=SERVED_SLOWLY)
+                faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=2 * SERVED_SLOWLY)
         # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed and its
         # record shows more gradients than the last one did: trainers are sending it calls right now
         elif len(kinds) == 8 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1:
