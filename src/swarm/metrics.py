@@ -35,6 +35,7 @@ RECORD_METRICS: dict[str, tuple[str, bool, str]] = {
                    "samples/s of forward+backward compute over the last seconds (what trainers route by)"),
     "capacity": ("capacity_samples_per_second", False, "the same over a longer window (what rebalancing counts)"),
     "queue": ("queue", False, "requests waiting for compute"),
+    "calls": ("calls_in_hand", False, "calls received and not yet answered, whatever they wait on"),
     "epoch": ("epoch", False, "optimizer steps (averaging rounds in async mode) its stage has taken"),
     "pending": ("pending_samples", False, "samples accumulated toward the stage's next step"),
     "tenure": ("tenure_seconds", False, "seconds it has served this stage"),

@@ -4,7 +4,6 @@ completed microbatch is in exactly one step of every stage, and no process dies 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import signal
@@ -59,6 +58,11 @@ def failures_on(swarm: LocalSwarm, victim: Peer) -> list[tuple[float, float]]:
 BAN = 0.5  # seconds a trainer first bans a server that failed it (doubling, up to 8 times as long)
 DHT_RPC_WAIT = 3.0  # seconds a DHT read waits for an unresponsive node (hivemind's wait_timeout)
 SERVED_SLOWLY = 1.5  # seconds each message of the victim waits before the kill (its stage's other: twice that)
+HOLD_AT_MOST = 10.0  # seconds calls are held at the victim before the kill: well under their 12 s timeouts
+
+
+def records_of(status, server: Peer) -> list:
+    return [r for records in status.servers.values() for r in records if r.name == server.name]
 
 
 def steps_of(server: Peer) -> list[dict]:
@@ -79,9 +83,9 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
     first view read after that, not at their timeouts. The stage steps on without it;
     thawed, it downloads the current state (it never serves its stale weights) and steps with its stage
     again. Then it and, twice as much, its stage's other server are slowed (trainers favour the faster of
-    two, so calls keep waiting at it), and its main process alone is SIGKILLed: its helpers
-    go with it, the connections break, and the calls it had are re-sent at once. Gradients it held unstepped are
-    accumulated again from what the trainers kept."""
+    two), it stops answering while it holds gradients unstepped, and once its record shows calls in hand
+    its main process alone is SIGKILLed: its helpers go with it, the connections break, and the calls it
+    had are re-sent at once. Gradients it held unstepped are accumulated again from what the trainers kept."""
     cfg = small_config(tmp_path, "trainer.target_steps=1000", "trainer.min_request_timeout=12.0",
                        "trainer.request_timeout=14.0", f"trainer.ban_seconds={BAN}")
     swarm = LocalSwarm(cfg)
@@ -112,14 +116,17 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
                 # less: at any moment calls are waiting at the victim
                 faults.delay(victim[0], seconds=SERVED_SLOWLY)
                 faults.delay(next(s for s in swarm.servers(stage=0) if s is not victim[0]), seconds=2 * SERVED_SLOWLY)
-        # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed and its
-        # record shows more gradients than the last one did: trainers are sending it calls right now
-        elif len(kinds) == 8 and "killed" not in marks and now - faults.events[-1].time > 8 * BAN + 1:
-            pending = [r.pending for r in status.servers.get(0, []) if r.name == victim[0].name]
-            if pending and pending[0] > marks.get("pending", math.inf):
+        # once the trainers' bans of it (for the calls it failed while frozen) have surely lapsed, and while it
+        # holds gradients it has not stepped with: every call sent to it from now on waits there, unanswered
+        elif len(kinds) == 8 and now - faults.events[-1].time > 8 * BAN + 1:
+            if any(r.pending > 0 for r in records_of(status, victim[0])):
+                faults.delay(victim[0], blackhole=True)
+        # the kill, once its record shows calls in hand that came after the calls it still answered (each
+        # waited SERVED_SLOWLY): they wait for the kill, as their timeouts are far away
+        elif len(kinds) == 9 and "killed" not in marks and now - faults.events[-1].time > 3 * SERVED_SLOWLY:
+            if any(r.calls > 0 for r in records_of(status, victim[0])) or now - faults.events[-1].time > HOLD_AT_MOST:
                 os.kill(victim[0].process.pid, signal.SIGKILL)
                 marks["killed"] = time.time()
-            marks["pending"] = pending[0] if pending else math.inf
         elif "killed" in marks and "end" not in marks and now - marks["killed"] > 10:
             marks["end"] = now
             finish(swarm)

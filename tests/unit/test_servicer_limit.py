@@ -99,11 +99,12 @@ def test_a_peer_past_its_limit_is_answered_at_once_unread_and_forgotten_once_don
         other = asyncio.create_task(reply_of(servicer, handler, Requests(7), "QmOther"))  # its own allowance
         await until(lambda: handler.entered == LIMIT + 1)
         assert servicer.calls == {"QmGreedy": LIMIT, "QmOther": 1}
+        assert servicer.in_hand == LIMIT + 1  # what its record's `calls` says: the refused one is not in hand
 
         handler.release.set()
         assert [await t for t in held] == [{"ok": i} for i in range(LIMIT)]
         assert await other == {"ok": 7}
-        assert servicer.calls == {}  # no entry left for a peer with nothing in flight
+        assert servicer.calls == {} and servicer.in_hand == 0  # no entry left for a peer with nothing in flight
         # and a call within the limit goes through again
         assert await reply_of(servicer, handler, Requests(5), "QmGreedy") == {"ok": 5}
 

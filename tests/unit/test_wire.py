@@ -73,9 +73,17 @@ def test_server_record_defaults_tombstone_and_widens_int_throughput() -> None:
     assert parsed.throughput == 3.0 and isinstance(parsed.throughput, float)
 
 
-def test_a_negative_tenure_is_refused() -> None:
+@pytest.mark.parametrize("field", ["tenure", "calls"])
+def test_a_negative_counter_is_refused(field: str) -> None:
     with pytest.raises(RecordError, match="negative"):
-        ServerRecord.from_value("QmServer", server_record(tenure=-1.0).to_value())
+        ServerRecord.from_value("QmServer", server_record(**{field: -1}).to_value())
+
+
+def test_a_server_record_from_an_older_peer_has_no_calls_in_hand() -> None:
+    value = server_record(calls=3).to_value()
+    assert ServerRecord.from_value("QmServer", value).calls == 3
+    del value["calls"]
+    assert ServerRecord.from_value("QmServer", value).calls == 0
 
 
 @pytest.mark.parametrize("value", [None, 5, "stage", [1, 2], (1,)])

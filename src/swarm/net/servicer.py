@@ -86,6 +86,12 @@ class StageServicer(ServicerBase):
         self.policy = policy
         self.traffic = traffic
 
+    @property
+    def in_hand(self) -> int:
+        """Calls received and not yet answered, from every caller: the load a record's `queue` misses
+        while calls wait on anything but compute (the network, a step, a stalled peer)."""
+        return sum(self.calls.values())
+
     async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
         caller = context.remote_id.to_base58()
         name = getattr(handler, "__name__", str(handler))

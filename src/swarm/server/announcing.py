@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from swarm.config import NetConfig
 from swarm.core.stepping import worth_telling
@@ -21,9 +22,10 @@ log = logging.getLogger("swarm.server")
 
 class Announcer:
     def __init__(self, agreed: dict, config_hash: str, name: str, net: NetConfig, peer_id: str, directory: Directory,
-                 gate: ComputeGate, stage: ServedStage):
+                 gate: ComputeGate, stage: ServedStage, in_hand: Callable[[], int]):
         """`agreed`: the settings every peer of the run shares (swarm.config.agreed); they travel in every
-        record, so that a peer with other settings is told which differ."""
+        record, so that a peer with other settings is told which differ. `in_hand`: calls received and not
+        yet answered (swarm.net.servicer.StageServicer.in_hand)."""
         self.agreed = agreed
         self.target_batch_size = int(agreed["optim"]["target_batch_size"])
         self.name = name
@@ -33,6 +35,7 @@ class Announcer:
         self.directory = directory
         self.gate = gate
         self.stage = stage
+        self.in_hand = in_hand
         self._announced_pending = 0
 
     def record(self) -> ServerRecord:
@@ -55,6 +58,7 @@ class Announcer:
             fresh=st.fresh,
             digest=st.runtime.last_digest,
             previous_stage=st.previous_stage,
+            calls=self.in_hand(),
         )
 
     async def announce(self) -> None:

@@ -124,8 +124,9 @@ class StageServer:
         await self._check_configs()
         p2p, half_rtt = self.peer.p2p, cfg.net.emulated_rtt_ms / 2000
         await JoinServicer(p2p, self.peer.secret).add_p2p_handlers(p2p)
-        await StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic,
-                            half_rtt, self.peer.secret).add_p2p_handlers(p2p)
+        self.servicer = StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic, half_rtt,
+                                      self.peer.secret)
+        await self.servicer.add_p2p_handlers(p2p)
         self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net,
                                    self.peer.client, self.peer.directory, self._serving_stage)
         self.handlers.backups = self.keeper
@@ -182,7 +183,8 @@ class StageServer:
         st.previous_stage = previous
         gate.count_work = st.work.count
         batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)
-        announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st)
+        announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st,
+                              lambda: self.servicer.in_hand)
         name = self._results_name(index)
         transfer = StateTransfer(st, gate, peer.client, peer.directory, self.hash, self.results, name,
                                  cfg.server.download_timeout, cfg.net.announce_period, self.keeper.local)

@@ -86,6 +86,7 @@ class ServerRecord(_Record):
     # the stage this server served before it moved to this one (-1: none, it joined here); the move itself
     # was `tenure` seconds ago
     previous_stage: int = -1
+    calls: int = 0  # calls received and not yet answered, whatever they wait on (`queue` counts compute only)
 
     def agreed(self) -> dict[str, Any]:
         """What the writer hashed into `config_hash` (see swarm.config.agreed), to name what differs."""
@@ -94,7 +95,8 @@ class ServerRecord(_Record):
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> ServerRecord:
         fields = _fields_from(cls, value)
-        if min(fields["stage"], fields["epoch"], fields["pending"], fields["queue"], fields.get("tenure", 0)) < 0:
+        if min(fields["stage"], fields["epoch"], fields["pending"], fields["queue"], fields.get("tenure", 0),
+               fields.get("calls", 0)) < 0:
             raise RecordError("negative counter")
         if fields.get("previous_stage", -1) < -1:
             raise RecordError("previous_stage below -1")
