@@ -18,6 +18,7 @@ from swarm.wire import PROTOCOL_VERSION
 from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.server")
+OVERLAPPING = 3  # renewals of the record that may wait on the DHT at once
 
 
 class Announcer:
@@ -93,11 +94,16 @@ class Announcer:
         stage's key, CPU taken from the compute of every host.
 
         The loop also notices when this process stalled (it was frozen) for so long that its record
-        may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall.
+        may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall; and the
+        renewals that fall due go out while earlier ones still wait (up to OVERLAPPING), since a store can
+        wait out the DHT's RPC timeout on an unresponsive node once to find the key's nodes and once to
+        store: renewals in turn would then come further apart than a record lives, and trainers would take
+        this live server for gone. The DHT keeps, of a subkey's values, the one that expires last, so a late
+        store never replaces a newer one.
         """
         st = self.stage
         last = tick = time.monotonic()
-        sending: asyncio.Task | None = None
+        sending: set[asyncio.Task] = set()
         while True:
             await asyncio.sleep(min(0.1, self.period))
             now = time.monotonic()
@@ -105,9 +111,11 @@ class Announcer:
                 st.lapsed = True
                 log.warning("stage %d server %s stalled for %.1fs", st.index, st.label, now - tick)
             tick = now
-            if sending is not None and not sending.done():
+            sending = {task for task in sending if not task.done()}
+            if len(sending) >= OVERLAPPING:
                 continue
-            changed = st.runtime.pending_samples != self._announced_pending and self._worth_telling()
+            # an early announcement only when none is under way: they tell counts, not that we are alive
+            changed = not sending and st.runtime.pending_samples != self._announced_pending and self._worth_telling()
             if changed or now - last >= self.period:
                 last = now
-                sending = asyncio.create_task(self._announce_quietly())
+                sending.add(asyncio.create_task(self._announce_quietly()))
