@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
@@ -14,9 +14,10 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import ROUND_CEILING, RoundResult, StageAllReduce, merge_ids, part_bounds
+from swarm.averaging.allreduce import ROUND_CEILING, RoundResult, StageAllReduce, part_bounds
 from swarm.averaging.checks import POISON, Bounds
 from swarm.averaging.failures import RoundFailed
+from swarm.core.ledger import merge_ids
 from swarm.net.identity import peer_id_of
 from swarm.net.protocol import decode, encode
 from swarm.net.receipts import sign_receipt
@@ -370,6 +371,72 @@ def test_a_round_waits_as_long_as_this_members_rounds_have_been_taking() -> None
 
     results = asyncio.run(main())
     assert_exact_mean(results, grads(samples, 100, seed=3), samples)
+
+
+def records_showing(live: set[str]) -> Callable[[int, frozenset[str]], Awaitable[frozenset[str]]]:
+    """A stage's records as a read finds them: `live` renew theirs at every epoch."""
+    async def at_epoch(epoch: int, members: frozenset[str]) -> frozenset[str]:
+        return members & live
+    return at_epoch
+
+
+def test_a_first_round_waits_past_the_timeout_for_a_late_member_its_records_show_alive() -> None:
+    """peerB's part comes 0.5 s past the timeout in the first round (nothing timed yet): while the stage's
+    records show it live at the round's epoch, peerA waits and both step; once they no longer do (it died),
+    peerA gives up at the next read. After a completed round the learned timeout decides alone."""
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 100)
+    members = make_members(ids, timeout=SHORT)
+    live = {"peerB"}
+    members["peerA"].at_epoch = records_showing(live)
+    late = members["peerB"].client = _LateClient("peerB", members, EXACT)
+    late.delay = SHORT + 0.5
+
+    async def round_(epoch: int) -> tuple[list[Any], float]:
+        """Both members' outcomes, and how long peerA's took."""
+        start = asyncio.get_running_loop().time()
+        a = asyncio.ensure_future(members["peerA"].run(epoch, ids, flat["peerA"], samples["peerA"]))
+        a.add_done_callback(lambda _: took.append(asyncio.get_running_loop().time() - start))
+        b = members["peerB"].run(epoch, ids, flat["peerB"], samples["peerB"])
+        took: list[float] = []
+        return await asyncio.gather(a, b, return_exceptions=True), took
+
+    results, (took,) = run_all(round_(0))
+    assert_exact_mean(results, flat, samples)
+    assert took >= SHORT + 0.5
+
+    fresh = make_members(ids, timeout=SHORT)  # the same, at servers that never completed a round
+    fresh["peerA"].at_epoch = records_showing(live)
+    members.update(fresh)
+    late = members["peerB"].client = _LateClient("peerB", members, EXACT)
+    late.delay = 60.0
+    live.clear()  # its record lapsed: dead, not late
+
+    (a, _), (took,) = run_all(round_(1))
+    assert isinstance(a, RoundFailed) and a.unreachable == frozenset({"peerB"}), a
+    assert took < SHORT + 1.0, took  # at the timeout, not the ceiling
+
+
+def test_after_a_completed_round_a_late_member_is_not_waited_for_past_the_learned_timeout() -> None:
+    """The records' say counts only while the timeout is the floor: a timed round knows how slow the group
+    is, and a hostile member alive in the records holds no round past it."""
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 100)
+    members = make_members(ids, timeout=SHORT)
+    members["peerA"].at_epoch = records_showing({"peerB"})
+    late = members["peerB"].client = _LateClient("peerB", members, EXACT)
+
+    async def round_(epoch: int) -> list[Any]:
+        return await asyncio.gather(*(members[p].run(epoch, ids, flat[p], samples[p]) for p in ids),
+                                    return_exceptions=True)
+
+    assert_exact_mean(run_all(round_(0)), flat, samples)
+    learned = members["peerA"].timeout
+    late.delay = learned + 2.0
+    a, _ = run_all(round_(1))
+    assert isinstance(a, RoundFailed) and a.unreachable == frozenset({"peerB"}), a
 
 
 class _SlowAnswers(LoopbackClient):

@@ -34,7 +34,7 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ import torch
 
 from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem, check_receipts
 from swarm.averaging.failures import RefusedBy, RoundFailed, Unreachable, WeightsDiverged
+from swarm.core.ledger import merge_ids
 from swarm.core.partition import split_evenly
 from swarm.core.throughput import LatencyTracker
 from swarm.net.directory import short
@@ -65,6 +66,7 @@ NOT_READY = "not ready:"
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
 ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
+RECHECK = 2.0  # seconds between reads of the stage's records while a round waits for a late member
 
 
 def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
@@ -84,6 +86,7 @@ class _Round:
     poisoned: set[str] = field(default_factory=set)  # members whose contribution was refused as poison
     silent: frozenset[str] = frozenset()  # members whose part never came (why the round was given up)
     began: float = field(default_factory=time.monotonic)
+    waited_longer: bool = False  # its wait past the timeout was logged
 
 
 @dataclass
@@ -91,16 +94,6 @@ class RoundResult:
     mean: torch.Tensor  # the stage's mean gradient
     samples: int  # over the whole stage
     ids: list[str]  # microbatches the step takes in, stage-wide
-
-
-def merge_ids(lists: list[list[str]]) -> tuple[list[str], list[str]]:
-    """The union of members' microbatch lists, and the ids found in more than one of them."""
-    seen: set[str] = set()
-    twice: set[str] = set()
-    for ids in lists:
-        for req_id in ids:
-            (twice if req_id in seen else seen).add(req_id)
-    return sorted(seen), sorted(twice)
 
 
 class StageAllReduce:
@@ -112,8 +105,12 @@ class StageAllReduce:
         timeout: float,
         on_wake: Callable[[int, tuple[str, ...]], bool],
         bounds: Bounds | None = None,
+        at_epoch: Callable[[int, frozenset[str]], Awaitable[frozenset[str]]] | None = None,
     ):
+        """`at_epoch(epoch, members)`: those of `members` a fresh read of the stage's records shows live at
+        `epoch` (None: the records are not consulted)."""
         self.bounds = bounds or Bounds()
+        self.at_epoch = at_epoch
         self.client = client
         self.own_id = own_id
         self.stage = stage
@@ -214,21 +211,40 @@ class StageAllReduce:
                 rnd.complete.set()  # release members still waiting on this round: it is abandoned
 
     async def _await_parts(self, rnd: _Round, gathered: asyncio.Future) -> list:
-        """`gathered` within the round's timeout, or, once every member's part for ours has come, up to
-        ROUND_CEILING times the floor: those members are alive and in this round, and an owner's answer that
-        is late is a slow machine reducing its part (our part's answer has gone out, so the others may step
-        with it, and giving up would leave us a step behind them). A member that sent nothing is not
-        waited for past the timeout. (asyncio.timeout, not wait_for: wait_for can lose a cancellation.)"""
-        try:
-            async with asyncio.timeout(self.timeout):
-                return await asyncio.shield(gathered)
-        except TimeoutError:
-            if len(rnd.contributions) < len(rnd.group):
-                raise
-        log.info("epoch %d: every part for ours is in; waiting up to %.0fs for the other owners' answers",
-                 rnd.epoch, ROUND_CEILING * self.floor)
-        async with asyncio.timeout(rnd.began + ROUND_CEILING * self.floor - time.monotonic()):
-            return await gathered
+        """`gathered` within the round's timeout, or up to ROUND_CEILING times the floor in two cases.
+
+        - Every member's part for ours has come: those members are alive and in this round, and an owner's
+          answer that is late is a slow machine reducing its part (our part's answer has gone out, so the
+          others may step with it, and giving up would leave us a step behind them).
+        - No round has completed here yet, so the timeout is the floor, which knows nothing of how slow
+          the group is, and the stage's records show every member whose part is missing live at the round's
+          epoch: a slow replica still finishing the job it had begun (a step goes before queued work, not
+          before the running one), not a dead one. Such a member is waited for while each read, every
+          RECHECK seconds, still shows it so. A hostile member can hold a server's first round so, once: the
+          retry leaves it out (swarm.server.stepping), completes, and is timed.
+
+        (asyncio.timeout, not wait_for: wait_for can lose a cancellation.)"""
+        deadline, timeout = rnd.began + ROUND_CEILING * self.floor, self.timeout
+        while True:
+            try:
+                async with asyncio.timeout(timeout):
+                    return await asyncio.shield(gathered)
+            except TimeoutError:
+                if time.monotonic() >= deadline or not await self._wait_longer(rnd):
+                    raise
+            timeout = min(RECHECK, deadline - time.monotonic())
+
+    async def _wait_longer(self, rnd: _Round) -> bool:
+        missing = frozenset(rnd.group) - rnd.contributions.keys()
+        if missing and (self._took.observed or self.at_epoch is None
+                        or not missing <= await self.at_epoch(rnd.epoch, missing)):
+            return False
+        if not rnd.waited_longer:
+            rnd.waited_longer = True
+            why = (f"no part yet from [{','.join(map(short, sorted(missing)))}], live at this epoch in the stage's "
+                   "records" if missing else "every part for ours is in")
+            log.info("epoch %d: %s; waiting up to %.0fs", rnd.epoch, why, ROUND_CEILING * self.floor)
+        return True
 
     def _silent_here(self, rnd: _Round, abandoned: str) -> frozenset[str]:
         """The members an owner named when it gave up its round for want of their parts ("abandoned: no part

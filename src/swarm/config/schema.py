@@ -218,7 +218,8 @@ class NetConfig:
     record_ttl: float = 6.0  # seconds an announcement lives unless renewed
     max_payload_mb: float = 64.0  # requests larger than this are refused
     # seconds a stage all-reduce waits for its parts before it is retried; longer (up to 4x) where this
-    # replica's rounds have been taking longer, or where only owners' answers are missing (see
+    # replica's rounds have been taking longer, where only owners' answers are missing, or, before any
+    # round completed, while the late members' records show them live (see
     # swarm.averaging.allreduce.StageAllReduce.timeout and _await_parts)
     allreduce_timeout: float = 15.0
     # a JSON file of message delay/loss rules for this peer's stage calls (fault injection; see

@@ -106,3 +106,13 @@ def carry(pending: Collection[str], aside: list[list[str]], epoch: int, loaded_e
     if any(part & stepped and not part <= stepped for part in parts):
         return None
     return [not part & stepped for part in parts]
+
+
+def merge_ids(lists: list[list[str]]) -> tuple[list[str], list[str]]:
+    """The union of members' microbatch lists, and the ids found in more than one of them."""
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for ids in lists:
+        for req_id in ids:
+            (twice if req_id in seen else seen).add(req_id)
+    return sorted(seen), sorted(twice)

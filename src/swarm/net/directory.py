@@ -70,6 +70,10 @@ class Directory:
             del self.expires[peer]
         return [r for r, _ in live]
 
+    async def live_at(self, stage: int, epoch: int, peers: frozenset[str]) -> frozenset[str]:
+        """Those of `peers` whose records in a fresh read of `stage` are live and at `epoch`."""
+        return frozenset(r.peer_id for r in await self.stage(stage) if r.peer_id in peers and r.epoch == epoch)
+
     async def vouch(self, stage: int, config_hash: str, me: str, source: str, meta: dict,
                     known: Iterable[ServerRecord], wait: float) -> bool:
         """Whether the replicas of `stage` other than `me` vouch for a state `source` served, described by

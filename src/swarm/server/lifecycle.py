@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -191,7 +192,7 @@ class StageServer:
         bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples, cfg.server.clip_to_median,
                         receipts=True)
         allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal,
-                                   bounds)
+                                   bounds, partial(peer.directory.live_at, index))
         stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,
                           allreduce, announcer, transfer, self.results, f"{name}.steps.jsonl", self.rng)
         mover = Mover(st, peer.peer_id, cfg.server.name, self.hash, cfg.model.num_stages, cfg.rebalance,
