@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration
 T = TypeVar("T")
 # the page's server rows: peer id, stage and state of each
 ROWS = "[...document.querySelectorAll('#servers tr.server')].map(r => [r.dataset.peer, +r.cells[2].textContent, " \
-       "r.cells[7].textContent]).sort()"
+       "r.cells[8].textContent]).sort()"
 
 
 def free_ports(count: int) -> list[int]:

@@ -28,7 +28,7 @@ def swarm() -> SwarmStatus:
         servers={
             0: [server("aaaaaa", 0), server("bbbbbb", 0, epoch=3, moving=True, name="")],
             1: [],
-            2: [server("cccccc", 2, throughput=7.0, capacity=0.0, queue=3)],
+            2: [server("cccccc", 2, throughput=7.0, capacity=0.0, queue=3, calls=5)],
         },
         trainers=[trainer("tttttt"), trainer("uuuuuu", done=True, loss=math.nan, completed=0)],
         time=1_700_000_000.0,
@@ -39,12 +39,12 @@ def test_the_table_has_a_row_per_server_and_a_verdict() -> None:
     lines = render_text(swarm(), "demo").splitlines()
     assert lines[0].startswith("swarm 'demo' at ") and lines[0].endswith(": 3 stages, 3 servers, 2 trainers")
     assert lines[1] == "stage 0: epoch 4, capacity 12.5 samples/s, 2 servers"
-    assert lines[2].split() == ["server", "peer", "throughput", "capacity", "queue", "epoch", "pending"]
-    assert lines[3].split() == ["srv-aaaaaa", "…aaaaaa", "10.0", "12.5", "0", "4", "2"]
-    assert lines[4].split() == ["-", "…bbbbbb", "10.0", "12.5", "0", "3", "2", "moving"]
+    assert lines[2].split() == ["server", "peer", "throughput", "capacity", "queue", "calls", "epoch", "pending"]
+    assert lines[3].split() == ["srv-aaaaaa", "…aaaaaa", "10.0", "12.5", "0", "0", "4", "2"]
+    assert lines[4].split() == ["-", "…bbbbbb", "10.0", "12.5", "0", "0", "3", "2", "moving"]
     assert lines[5] == "stage 1: no server"
     assert lines[6] == "stage 2: epoch 4, capacity 7.0 samples/s, 1 server"
-    assert lines[8].split() == ["srv-cccccc", "…cccccc", "7.0", "7.0", "3", "4", "2"]  # throughput stands in
+    assert lines[8].split() == ["srv-cccccc", "…cccccc", "7.0", "7.0", "3", "5", "4", "2"]  # throughput stands in
     assert lines[9] == "trainers"
     assert lines[11].split() == ["…tttttt", "1,280", "42.1", "2.314", "0", "training"]
     assert lines[12].split() == ["…uuuuuu", "0", "42.1", "-", "0", "done"]
@@ -66,7 +66,7 @@ def test_json_carries_every_record_and_the_verdict() -> None:
     assert stage0["epoch"] == 4 and stage0["capacity"] == 12.5 and stage0["pending"] == 4
     assert [s["peer_id"] for s in stage0["servers"]] == ["12D3KooWaaaaaa", "12D3KooWbbbbbb"]
     assert stage0["servers"][1] == {
-        "peer_id": "12D3KooWbbbbbb", "name": "", "throughput": 10.0, "capacity": 12.5, "queue": 0, "epoch": 3,
+        "peer_id": "12D3KooWbbbbbb", "name": "", "throughput": 10.0, "capacity": 12.5, "queue": 0, "calls": 0, "epoch": 3,
         "pending": 2, "moving": True, "tenure": 0.0, "mode": "sync",
     }
     assert stage1 == {"stage": 1, "epoch": None, "capacity": 0.0, "pending": 0, "servers": []}

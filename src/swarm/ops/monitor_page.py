@@ -43,7 +43,7 @@ _HTML = r"""<!doctype html>
 <h2>Servers</h2>
 <table id="servers">
   <thead><tr><th class="text">server</th><th class="text">peer</th><th>stage</th><th>throughput</th>
-    <th>queue</th><th>epoch</th><th>pending</th><th class="text">state</th><th class="text">moved from</th></tr></thead>
+    <th>queue</th><th>calls</th><th>epoch</th><th>pending</th><th class="text">state</th><th class="text">moved from</th></tr></thead>
   <tbody></tbody>
 </table>
 
@@ -100,7 +100,7 @@ function render(d) {
   document.querySelector("#servers tbody").replaceChildren(...servers.map((s) => el("tr",
     {class: "server " + s.state, "data-peer": s.peer_id, "data-stage": s.stage},
     cell(s.name || "–", "text"), cell(s.label, "text"), cell(s.stage), cell(num(s.throughput, 1)), cell(s.queue),
-    cell(s.epoch), cell(s.pending), cell(s.state, "text"),
+    cell(s.calls), cell(s.epoch), cell(s.pending), cell(s.state, "text"),
     cell(s.previous_stage >= 0 ? "stage " + s.previous_stage : "–", "text"))));
 
   document.querySelector("#stages tbody").replaceChildren(...d.stages.map((s) => el("tr", {class: "stage"},

@@ -9,7 +9,7 @@ The JSON object (`status_json`), one per snapshot::
                  "capacity": 52.3,                          # samples/s of its servers that take new work
                  "pending": 8,                              # samples accumulated toward its next step
                  "servers": [{"peer_id": "12D3Koo...", "name": "server-s0-1", "throughput": 51.0,
-                              "capacity": 52.3, "queue": 0, "epoch": 12, "pending": 8, "moving": false,
+                              "capacity": 52.3, "queue": 0, "calls": 1, "epoch": 12, "pending": 8, "moving": false,
                               "tenure": 63.2, "mode": "sync"}]}, ...],
      "trainers": [{"peer_id": "12D3Koo...", "completed": 1280, "failed": 0, "loss": 2.314,  # null: none yet
                    "samples_per_second": 42.1, "done": false}],
@@ -27,7 +27,7 @@ from swarm.net.directory import short
 from swarm.ops.status import SwarmStatus, server_rate
 from swarm.wire.records import ServerRecord
 
-SERVER_FIELDS = ("name", "throughput", "capacity", "queue", "epoch", "pending", "moving", "tenure")
+SERVER_FIELDS = ("name", "throughput", "capacity", "queue", "calls", "epoch", "pending", "moving", "tenure")
 TRAINER_FIELDS = ("completed", "failed", "loss", "samples_per_second", "done")
 
 
@@ -65,9 +65,10 @@ def render_text(status: SwarmStatus, run_id: str) -> str:
         lines.append(f"stage {stage}: epoch {epoch}, capacity {diagnosis.capacity[stage]:.1f} samples/s, "
                      f"{_count(len(records), 'server')}")
         rows = [[r.name or "-", short(r.peer_id), f"{r.throughput:.1f}", f"{server_rate(r):.1f}",
-                 str(r.queue), str(r.epoch), str(r.pending), "moving" if r.moving else ""]
+                 str(r.queue), str(r.calls), str(r.epoch), str(r.pending), "moving" if r.moving else ""]
                 for r in _ordered(records)]
-        lines += _table(["server", "peer", "throughput", "capacity", "queue", "epoch", "pending", ""], rows, left=2)
+        lines += _table(["server", "peer", "throughput", "capacity", "queue", "calls", "epoch", "pending", ""], rows,
+                        left=2)
     if status.trainers:
         lines.append("trainers")
         rows = [[short(t.peer_id), f"{t.completed:,}", f"{t.samples_per_second:.1f}",
