@@ -43,7 +43,8 @@ _HTML = r"""<!doctype html>
 <h2>Servers</h2>
 <table id="servers">
   <thead><tr><th class="text">server</th><th class="text">peer</th><th>stage</th><th>throughput</th>
-    <th>queue</th><th>calls</th><th>epoch</th><th>pending</th><th class="text">state</th><th class="text">moved from</th></tr></thead>
+    <th>queue</th><th>calls</th><th>epoch</th><th>pending</th><th class="text">state</th>
+    <th class="text">moved from</th></tr></thead>
   <tbody></tbody>
 </table>
 
