@@ -66,8 +66,8 @@ def test_json_carries_every_record_and_the_verdict() -> None:
     assert stage0["epoch"] == 4 and stage0["capacity"] == 12.5 and stage0["pending"] == 4
     assert [s["peer_id"] for s in stage0["servers"]] == ["12D3KooWaaaaaa", "12D3KooWbbbbbb"]
     assert stage0["servers"][1] == {
-        "peer_id": "12D3KooWbbbbbb", "name": "", "throughput": 10.0, "capacity": 12.5, "queue": 0, "calls": 0, "epoch": 3,
-        "pending": 2, "moving": True, "tenure": 0.0, "mode": "sync",
+        "peer_id": "12D3KooWbbbbbb", "name": "", "throughput": 10.0, "capacity": 12.5, "queue": 0, "calls": 0,
+        "epoch": 3, "pending": 2, "moving": True, "tenure": 0.0, "mode": "sync",
     }
     assert stage1 == {"stage": 1, "epoch": None, "capacity": 0.0, "pending": 0, "servers": []}
     assert stage2["capacity"] == 7.0
