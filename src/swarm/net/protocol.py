@@ -106,6 +106,15 @@ def encode(
         yield cls(metadata=packed)
 
 
+async def packed(tensors: Sequence[Item], policy: codecs.Policy) -> list[Item]:
+    """The same items, each packed by its role's codec on a worker thread: quantizing and copying whole
+    tensors stays off the event loop, which also answers other calls and renews the peer's DHT records
+    (one such stall at a slow server once outlived its record). `encode` then only frames the bytes."""
+    if all(isinstance(t, Tagged) and isinstance(t.value, codecs.Packed) for t in tensors):
+        return list(tensors)
+    return await asyncio.to_thread(lambda: [Tagged(*_pack(item, policy)) for item in tensors])
+
+
 @dataclass
 class Received:
     """A payload off the wire, its tensors still packed: `receive` reads it on the event loop, and the
@@ -117,6 +126,10 @@ class Received:
 
     def tensors(self) -> list[torch.Tensor]:
         return [codecs.decode(p) for p in self.packs]
+
+    async def unpacked(self) -> list[torch.Tensor]:
+        """`tensors`, unpacked on a worker thread (see `packed`)."""
+        return await asyncio.to_thread(self.tensors) if self.packs else []
 
 
 async def decode(
