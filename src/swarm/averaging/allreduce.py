@@ -53,14 +53,17 @@ from swarm.wire.validate import BadRequest
 
 log = logging.getLogger(__name__)
 ABANDONED = "was abandoned"  # how an owner that gave up its round answers the parts still waiting
-# receipts (about 0.1 ms each), like a part's poison checks, are checked on the event loop: then every owner
-# refuses a forged list before any round of the epoch can end, so every honest member names its sender. Longer
-# lists go to a thread
+# receipts checked on the event loop (about 0.1 ms each): then every owner refuses a forged list before any
+# round of the epoch can end, so every honest member names its sender. Longer lists go to a thread
 RECEIPTS_INLINE = 512
+
+
 DIVERGED = "diverged:"  # marks a refusal because member weights differ
 # marks a refusal because replicas do not agree yet on the round (epoch, group): honest peers refuse so while
 # one of them catches up, which must not count against them (see swarm.server.stepping's strikes)
 NOT_READY = "not ready:"
+
+
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
 ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
 RECHECK = 2.0  # seconds between reads of the stage's records while a round waits for a late member
@@ -84,7 +87,6 @@ class _Round:
     silent: frozenset[str] = frozenset()  # members whose part never came (why the round was given up)
     began: float = field(default_factory=time.monotonic)
     waited_longer: bool = False  # its wait past the timeout was logged
-    reducing: bool = False  # every part is in and its mean is being computed
 
 
 @dataclass
@@ -171,7 +173,7 @@ class StageAllReduce:
         for old in [e for e in self._finished if e < epoch - 2]:
             del self._finished[old]
         total, merged = totals.pop()
-        return RoundResult(await asyncio.to_thread(torch.cat, [part for part, _, _ in results]), total, list(merged))
+        return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
 
     async def _gather_parts(self, rnd: _Round, tasks: list[asyncio.Future]
                             ) -> list[tuple[torch.Tensor, int, list[str]]]:
@@ -211,8 +213,9 @@ class StageAllReduce:
     async def _await_parts(self, rnd: _Round, gathered: asyncio.Future) -> list:
         """`gathered` within the round's timeout, or up to ROUND_CEILING times the floor in two cases.
 
-        - Every member's part for ours has come: they are alive and in this round, and a late answer is a
-          slow owner reducing its part (ours has gone out: the others may step with it).
+        - Every member's part for ours has come: those members are alive and in this round, and an owner's
+          answer that is late is a slow machine reducing its part (our part's answer has gone out, so the
+          others may step with it, and giving up would leave us a step behind them).
         - No round has completed here yet, so the timeout is the floor, which knows nothing of how slow
           the group is, and the stage's records show every member whose part is missing live at the round's
           epoch: a slow replica still finishing the job it had begun (a step goes before queued work, not
@@ -271,7 +274,7 @@ class StageAllReduce:
         }
         if owner == self.own_id:
             reply, (answer,) = await self.contribute(meta, [part], self.own_id)
-            tensors = [await asyncio.to_thread(codecs.decode, answer.value)]  # the bits the other members decode
+            tensors = [codecs.decode(answer.value)]  # the very bits the other members decode
         else:
             # contributing is idempotent, so a call whose reply was lost is simply made again; an owner
             # that no call reaches has most likely died, and the round fails now rather than at its timeout
@@ -290,7 +293,7 @@ class StageAllReduce:
                         raise Unreachable(owner, e) from e
                     log.info("reduce call to %s failed (%s); calling again", short(owner), e)
                     await asyncio.sleep(0.1)
-        return await asyncio.to_thread(self._check_answer, owner, part.numel(), reply, tensors)
+        return self._check_answer(owner, part.numel(), reply, tensors)
 
     def _check_answer(self, owner: str, size: int, reply: dict[str, Any], tensors: list[torch.Tensor]
                       ) -> tuple[torch.Tensor, int, list[str]]:
@@ -309,7 +312,7 @@ class StageAllReduce:
         """Owner side: take one member's part, answer with the reduced part once all are in. A poisoned
         part (not finite, or over the bounds) ends this owner's round at once: its result would be poison."""
         try:
-            c = Contribution.parse(meta, tensors, sender, self.bounds)  # (on the loop: see RECEIPTS_INLINE)
+            c = Contribution.parse(meta, tensors, sender, self.bounds)
             if self.bounds.receipts and len(c.ids) <= RECEIPTS_INLINE:
                 check_receipts(meta.get("receipts"), c, self.stage)
             elif self.bounds.receipts:  # a long list is checked off the event loop
@@ -317,7 +320,7 @@ class StageAllReduce:
         except BadRequest as e:
             epoch = meta.get("epoch") if isinstance(meta, dict) else None
             rnd = self._rounds.get(epoch) if isinstance(epoch, int) else None
-            if POISON in str(e) and rnd is not None and sender in rnd.group and not (rnd.result or rnd.reducing):
+            if POISON in str(e) and rnd is not None and sender in rnd.group and rnd.result is None:
                 rnd.poisoned.add(sender)
                 rnd.complete.set()
             raise
@@ -325,12 +328,10 @@ class StageAllReduce:
         if done is not None and done.group == c.group and sender in done.contributions and done.result is not None:
             return self._answer(done.result)  # a repeat of a contribution to a round that completed
         rnd = await self._round_for(c)
-        if rnd.result is None and not rnd.reducing:  # once reduced, a round's answer never changes
+        if rnd.result is None:  # once reduced, a round's answer never changes
             rnd.contributions[sender] = (c.part, c.samples, c.ids)
             if len(rnd.contributions) == len(rnd.group):
-                rnd.reducing = True
-                rnd.result = await asyncio.to_thread(self._reduce, rnd, c.epoch)
-                rnd.complete.set()
+                self._reduce(rnd, c.epoch)
         await rnd.complete.wait()
         if rnd.result is None:
             silent = f": no part from {' '.join(sorted(rnd.silent))}" if rnd.silent else ""
@@ -364,10 +365,9 @@ class StageAllReduce:
             raise BadRequest(f"part has {c.part.numel()} {c.part.dtype} values, expected {rnd.size} float32")
         return rnd
 
-    def _reduce(self, rnd: _Round, epoch: int) -> tuple[codecs.Packed, int, list[str]]:
+    def _reduce(self, rnd: _Round, epoch: int) -> None:
         """Sum the members' parts in the group's order (the same bits whoever computes it), divide by the
-        group's samples, pack once; merge the members' microbatch lists. On a worker thread, as all work on
-        whole parts: the event loop also renews this server's DHT records."""
+        group's samples, pack once; merge the members' microbatch lists."""
         total_samples = sum(n for _, n, _ in rnd.contributions.values())
         scales = self._clip_scales(rnd)
         mean = torch.zeros(rnd.size, dtype=torch.float32)
@@ -379,7 +379,8 @@ class StageAllReduce:
         if twice:
             log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
                       ", ".join(twice[:5]))
-        return self.client.policy.pack("allreduce", mean), total_samples, merged
+        rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
+        rnd.complete.set()
 
     def _clip_scales(self, rnd: _Round) -> dict[str, float]:
         """How much each member's part counts (1: whole; see Bounds.clip_to_median)."""

@@ -108,8 +108,8 @@ def encode(
 
 async def packed(tensors: Sequence[Item], policy: codecs.Policy) -> list[Item]:
     """The same items, each packed by its role's codec on a worker thread: quantizing and copying whole
-    tensors stays off the event loop, which also answers other calls and renews the peer's DHT records
-    (one such stall at a slow server once outlived its record). `encode` then only frames the bytes."""
+    tensors stays off the event loop, which also answers other calls and renews the peer's DHT records.
+    `encode` then only frames the bytes."""
     if all(isinstance(t, Tagged) and isinstance(t.value, codecs.Packed) for t in tensors):
         return list(tensors)
     return await asyncio.to_thread(lambda: [Tagged(*_pack(item, policy)) for item in tensors])
