@@ -139,7 +139,7 @@ async def decode(
     """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one.
     `admit` sees the metadata as soon as it arrives, before any tensor is read: it raises to refuse."""
     received = await receive(stream, max_bytes, traffic, admit)
-    return received.meta, received.tensors()
+    return received.meta, await received.unpacked()
 
 
 async def receive(

@@ -29,7 +29,7 @@ from hivemind.proto import runtime_pb2
 from swarm.net.directory import short
 from swarm.net.faultfile import FaultFile
 from swarm.net.join import NotMember
-from swarm.net.protocol import Item, Traffic, encode, packed, receive
+from swarm.net.protocol import Item, Traffic, decode, encode, packed
 from swarm.net.quiet import Quiet
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.wire.codecs import EXACT, Policy
@@ -132,10 +132,9 @@ class StageServicer(ServicerBase):
             await self.faults.apply()
         try:
             admit = None if self.secret is None else partial(self._admit, caller, context.local_id.to_base58())
-            received = await receive(requests, self.handler.max_request_bytes, self.traffic, admit)
             # codec work, both ways, on worker threads: the event loop also renews this server's DHT records
-            tensors = await received.unpacked()
-            meta, items = await handler(received.meta, tensors, caller)
+            meta, tensors = await decode(requests, self.handler.max_request_bytes, self.traffic, admit)
+            meta, items = await handler(meta, tensors, caller)
             reply: Reply = meta, await packed(items, self.policy)
         except NotMember:
             if caller not in self._strangers and len(self._strangers) < MAX_STRANGERS_LOGGED:

@@ -17,7 +17,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.net.faultfile import FaultFile
-from swarm.net.protocol import Item, Traffic, encode, packed, receive
+from swarm.net.protocol import Item, Traffic, decode, encode, packed
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.net.servicer import StageServicer
 from swarm.wire.codecs import EXACT, Policy
@@ -73,8 +73,7 @@ class StageClient:
                 await self.faults.apply()
             requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, self.traffic)
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
-            received = await receive(stream, REPLY_LIMIT_BYTES, self.traffic)
-            return received.meta, await received.unpacked()
+            return await decode(stream, REPLY_LIMIT_BYTES, self.traffic)
 
         # A libp2p stream occasionally ends before the reply (seen under load on loopback). Every call
         # of the protocol is safe to repeat (servers answer a repeated accumulating call from a cache,
