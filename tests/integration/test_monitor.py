@@ -120,7 +120,9 @@ def test_monitor_page_metrics_and_tensorboard(tmp_path: Path) -> None:
                      "a row for each server")
         assert sorted(r[:2] for r in rows) == sorted([[ids[0], 0], [ids[1], 0], [ids[2], 1]])
         assert {r[2] for r in rows} <= {"serving", "behind"}  # behind: for a moment around a step
-        trained = "document.querySelector('#trainers tr.trainer td:nth-child(2)').textContent.replace(/,/g, '') > 0"
+        # (no row yet reads as nothing trained: the page may not have drawn the trainers' table)
+        trained = ("(document.querySelector('#trainers tr.trainer td:nth-child(2)')?.textContent ?? '')"
+                   ".replace(/,/g, '') > 0")
         page.wait_for(trained, 60)
         lines = ("[...document.querySelectorAll('polyline.series')].map(p => "
                  "[p.closest('svg').id, p.dataset.name, p.getAttribute('points').split(' ').length])")
