@@ -14,9 +14,10 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import ROUND_CEILING, RoundResult, StageAllReduce, part_bounds
+from swarm.averaging.allreduce import ROUND_CEILING, StageAllReduce
 from swarm.averaging.checks import POISON, Bounds
 from swarm.averaging.failures import RoundFailed
+from swarm.averaging.rounds import RoundResult, part_bounds
 from swarm.core.ledger import merge_ids
 from swarm.net.identity import peer_id_of
 from swarm.net.protocol import decode, encode
@@ -527,16 +528,22 @@ def test_an_unreachable_owner_fails_the_round_at_once_and_is_named() -> None:
     assert members["peerA"]._rounds == {}
 
 
+@pytest.mark.parametrize("delivered", [True, False], ids=["delivered", "lost"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), 3e38])
-def test_a_poisoned_contribution_fails_the_round_at_once_and_names_its_sender(poison: float) -> None:
-    """peerC sends a part that is not finite, or whose norm per sample is over the bound: every honest
-    owner refuses it and ends its round before the timeout, and every honest member's failure names
-    peerC, so the next group leaves it out. No mean is computed with it."""
+def test_a_poisoned_contribution_fails_the_round_at_once_and_names_its_sender(poison: float, delivered: bool
+                                                                              ) -> None:
+    """peerC's part is not finite, or its norm per sample is over the bound: every honest owner refuses it
+    and ends its round before the timeout, and every honest member's failure names peerC, so the next
+    group leaves it out. No mean is computed with it. Where peerC's calls never reach the others (its own
+    owner refused its part first, and it gave up the calls), its refusal of their parts says that its own
+    part was poison, and that word about itself names it."""
     ids = ("peerA", "peerB", "peerC")
     samples = {"peerA": 2, "peerB": 3, "peerC": 4}
     flat = grads(samples, 90)
     flat["peerC"][::7] = poison
     members = make_members(ids, timeout=30.0, bounds=Bounds(max_norm_per_sample=1e3))
+    if not delivered:
+        members["peerC"].client.dead = {"peerA", "peerB"}
 
     async def main() -> tuple[list[Any], float]:
         loop = asyncio.get_running_loop()
@@ -551,6 +558,27 @@ def test_a_poisoned_contribution_fails_the_round_at_once_and_names_its_sender(po
     for peer, outcome in zip(ids, outcomes, strict=True):
         if peer != "peerC":
             assert outcome.unreachable == frozenset({"peerC"}), outcome
+
+
+def test_an_owner_naming_a_member_as_poison_is_not_taken_at_its_word() -> None:
+    """peerB gives up every part saying peerC's part was poison, though peerC is honest: peerA waits for
+    peerC's part to reach its own round, finds it sound, and its failure names no one for poison."""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 2, "peerB": 3, "peerC": 4}
+    flat = grads(samples, 30)
+    members = make_members(ids, timeout=SHORT, bounds=Bounds(max_norm_per_sample=1e3))
+
+    async def slander(meta, tensors, sender):
+        raise BadRequest("not ready: the round for epoch 0 was abandoned: poison from peerC")
+
+    members["peerB"].contribute = slander
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ("peerA", "peerC")),
+                                    return_exceptions=True)
+
+    outcomes = run_all(main())
+    assert all(isinstance(o, RoundFailed) and "peerC" not in o.unreachable for o in outcomes), outcomes
 
 
 @pytest.mark.parametrize("answer", [float("nan"), 1e30])

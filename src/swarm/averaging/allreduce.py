@@ -32,18 +32,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem, check_receipts
 from swarm.averaging.failures import RefusedBy, RoundFailed, Unreachable, WeightsDiverged
+from swarm.averaging.rounds import (
+    POISON_FROM,
+    SILENT,
+    Round,
+    RoundResult,
+    exchange_evidence,
+    named_in,
+    part_bounds,
+)
 from swarm.core.ledger import merge_ids
-from swarm.core.partition import split_evenly
 from swarm.core.throughput import LatencyTracker
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
@@ -69,33 +75,6 @@ ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_time
 RECHECK = 2.0  # seconds between reads of the stage's records while a round waits for a late member
 
 
-def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous, near-equal slices of a vector of `total` elements."""
-    return [(r.start, r.stop) for r in split_evenly(total, parts)]
-
-
-@dataclass
-class _Round:
-    epoch: int
-    group: tuple[str, ...]
-    size: int
-    digest: str  # the owner's weights: contributions computed on other weights are refused
-    contributions: dict[str, tuple[torch.Tensor, int, list[str]]] = field(default_factory=dict)
-    complete: asyncio.Event = field(default_factory=asyncio.Event)
-    result: tuple[codecs.Packed, int, list[str]] | None = None
-    poisoned: set[str] = field(default_factory=set)  # members whose contribution was refused as poison
-    silent: frozenset[str] = frozenset()  # members whose part never came (why the round was given up)
-    began: float = field(default_factory=time.monotonic)
-    waited_longer: bool = False  # its wait past the timeout was logged
-
-
-@dataclass
-class RoundResult:
-    mean: torch.Tensor  # the stage's mean gradient
-    samples: int  # over the whole stage
-    ids: list[str]  # microbatches the step takes in, stage-wide
-
-
 class StageAllReduce:
     def __init__(
         self,
@@ -117,9 +96,10 @@ class StageAllReduce:
         self.floor = timeout  # `net.allreduce_timeout`: what a round waits before any round was timed here
         self._took = LatencyTracker()  # how long this member's completed rounds took
         self.on_wake = on_wake
-        self._rounds: dict[int, _Round] = {}  # keyed by epoch: at most one round per epoch is open
+        self._rounds: dict[int, Round] = {}  # keyed by epoch: at most one round per epoch is open
         self._started: dict[int, asyncio.Event] = {}
-        self._finished: dict[int, _Round] = {}  # recent completed rounds, for members whose reply was lost
+        self._finished: dict[int, Round] = {}  # recent completed rounds, for members whose reply was lost
+        self._given_up: dict[int, Round] = {}  # recent rounds given up naming poison: late parts hear why at once
 
     @property
     def timeout(self) -> float:
@@ -151,13 +131,13 @@ class StageAllReduce:
         bounds = part_bounds(flat_grad.numel(), len(group))
         own_part = bounds[group.index(self.own_id)]
         self._finished.pop(epoch, None)  # a new attempt: an earlier failed one's answers are void
-        rnd = self._rounds[epoch] = _Round(epoch, group, own_part[1] - own_part[0], digest)
+        self._given_up.pop(epoch, None)
+        rnd = self._rounds[epoch] = Round(epoch, group, own_part[1] - own_part[0], digest)
         self._started_event(epoch).set()
         # parts are views, not copies (a stage's gradient is large): nothing writes to `flat_grad` while its
         # round runs (a sync round's sum was taken out of the gradients; an async contribution is its own)
         tasks = [
-            asyncio.ensure_future(self._exchange(owner, epoch, group, flat_grad[lo:hi], samples, digest, ids or [],
-                                                 receipts or []))
+            asyncio.ensure_future(self._exchange(rnd, owner, flat_grad[lo:hi], samples, ids or [], receipts or []))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
         try:
@@ -170,12 +150,13 @@ class StageAllReduce:
             raise RoundFailed(f"owners disagree on the samples: {sorted(t for t, _ in totals)}")
         self._finished[epoch] = rnd
         self._took.observe(time.monotonic() - began)
-        for old in [e for e in self._finished if e < epoch - 2]:
-            del self._finished[old]
+        for kept in (self._finished, self._given_up):
+            for old in [e for e in kept if e < epoch - 2]:
+                del kept[old]
         total, merged = totals.pop()
         return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
 
-    async def _gather_parts(self, rnd: _Round, tasks: list[asyncio.Future]
+    async def _gather_parts(self, rnd: Round, tasks: list[asyncio.Future]
                             ) -> list[tuple[torch.Tensor, int, list[str]]]:
         """Every owner's reduced part, or RoundFailed saying why not (and whom to leave out next)."""
         epoch, group = rnd.epoch, rnd.group
@@ -192,6 +173,8 @@ class StageAllReduce:
         except (CallFailed, BadRequest) as e:
             if DIVERGED in str(e):
                 raise WeightsDiverged(str(e), group) from e
+            if ABANDONED in str(e) and (named := await self._hear_out(rnd, tasks, str(e))) is not None:
+                raise named from e
             if rnd.poisoned:  # left out of the next groups, like a member that does not answer
                 raise RoundFailed(f"epoch {epoch}: {e}", frozenset(rnd.poisoned)) from e
             if ABANDONED in str(e) and (silent := self._silent_here(rnd, str(e))):
@@ -209,8 +192,10 @@ class StageAllReduce:
             self._started.pop(epoch, None)
             if rnd.result is None:
                 rnd.complete.set()  # release members still waiting on this round: it is abandoned
+                if rnd.poisoned or rnd.poison_named:
+                    self._given_up[epoch] = rnd
 
-    async def _await_parts(self, rnd: _Round, gathered: asyncio.Future) -> list:
+    async def _await_parts(self, rnd: Round, gathered: asyncio.Future) -> list:
         """`gathered` within the round's timeout, or up to ROUND_CEILING times the floor in two cases.
 
         - Every member's part for ours has come: those members are alive and in this round, and an owner's
@@ -234,7 +219,7 @@ class StageAllReduce:
                     raise
             timeout = min(RECHECK, deadline - time.monotonic())
 
-    async def _wait_longer(self, rnd: _Round) -> bool:
+    async def _wait_longer(self, rnd: Round) -> bool:
         missing = frozenset(rnd.group) - rnd.contributions.keys()
         if missing and (self._took.observed or self.at_epoch is None
                         or not missing <= await self.at_epoch(rnd.epoch, missing)):
@@ -246,7 +231,26 @@ class StageAllReduce:
             log.info("epoch %d: %s; waiting up to %.0fs", rnd.epoch, why, ROUND_CEILING * self.floor)
         return True
 
-    def _silent_here(self, rnd: _Round, abandoned: str) -> frozenset[str]:
+    async def _hear_out(self, rnd: Round, tasks: list[asyncio.Future], reason: str) -> RoundFailed | None:
+        """Another owner gave up its round and named members whose part or answer was poison: wait, within
+        our round's timeout, for our own evidence on each (its part to us, or our exchange with it), and
+        return the failure that evidence names (None: it names no one, or our own round's poison does).
+        Without the wait, a member whose poison reached that owner first went unnamed into the next group."""
+        exchanges = {m: tasks[rnd.group.index(m)] for m in named_in(reason, POISON_FROM, rnd.group) - {self.own_id}}
+        poisoned_here = asyncio.ensure_future(rnd.complete.wait())  # (a poisoned part ends our round)
+        try:
+            while (left := rnd.began + self.timeout - time.monotonic()) > 0 and (open_ := [
+                    t for m, t in exchanges.items() if not t.done() and m not in rnd.poisoned]):
+                await asyncio.wait(open_ + ([] if poisoned_here.done() else [poisoned_here]), timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            poisoned_here.cancel()
+        if rnd.poisoned or (named := exchange_evidence(rnd.epoch, exchanges)) is None:
+            return None
+        rnd.poison_named |= named.unreachable  # said in turn to the parts still waiting on our round
+        return named
+
+    def _silent_here(self, rnd: Round, abandoned: str) -> frozenset[str]:
         """The members an owner named when it gave up its round for want of their parts ("abandoned: no part
         from ..."), whose part has not reached our own part's round either.
 
@@ -254,23 +258,15 @@ class StageAllReduce:
         missing for the same reason, and we leave the member out as the owner does. Only our own evidence
         counts: a member whose part reached us is not named, whatever the owner says. (Failing without a
         name left us proposing the silent member again and again while the owner refused to join it.)"""
-        return frozenset(m for m in rnd.group if m in abandoned and m != self.own_id
+        return frozenset(m for m in named_in(abandoned, SILENT, rnd.group) if m != self.own_id
                          and m not in rnd.contributions and m not in rnd.poisoned)
 
     async def _exchange(
-        self,
-        owner: str,
-        epoch: int,
-        group: tuple[str, ...],
-        part: torch.Tensor,
-        samples: int,
-        digest: str,
-        ids: list[str],
-        receipts: list[list],
+        self, rnd: Round, owner: str, part: torch.Tensor, samples: int, ids: list[str], receipts: list[list]
     ) -> tuple[torch.Tensor, int, list[str]]:
         meta = {
-            "epoch": epoch, "group": list(group), "samples": samples, "stage": self.stage, "digest": digest,
-            "ids": ids, "receipts": receipts,
+            "epoch": rnd.epoch, "group": list(rnd.group), "samples": samples, "stage": self.stage,
+            "digest": rnd.digest, "ids": ids, "receipts": receipts,
         }
         if owner == self.own_id:
             reply, (answer,) = await self.contribute(meta, [part], self.own_id)
@@ -293,9 +289,9 @@ class StageAllReduce:
                         raise Unreachable(owner, e) from e
                     log.info("reduce call to %s failed (%s); calling again", short(owner), e)
                     await asyncio.sleep(0.1)
-        return self._check_answer(owner, part.numel(), reply, tensors)
+        return self._check_answer(rnd, owner, part.numel(), reply, tensors)
 
-    def _check_answer(self, owner: str, size: int, reply: dict[str, Any], tensors: list[torch.Tensor]
+    def _check_answer(self, rnd: Round, owner: str, size: int, reply: dict[str, Any], tensors: list[torch.Tensor]
                       ) -> tuple[torch.Tensor, int, list[str]]:
         """An owner's answer, as every member checks it before it is used: one finite float32 part of the
         size asked for, within the bound a mean of bounded contributions cannot exceed, and a sample count
@@ -303,6 +299,7 @@ class StageAllReduce:
         samples, ids = reply.get("samples"), reply.get("ids", [])
         problem = answer_problem(tensors, size, samples, ids, self.bounds.max_norm_per_sample)
         if problem is not None:
+            rnd.poison_named.add(owner)
             raise RoundFailed(f"owner {short(owner)} answered with {problem}", frozenset({owner}))
         return tensors[0], samples, ids
 
@@ -327,6 +324,9 @@ class StageAllReduce:
         done = self._finished.get(c.epoch)
         if done is not None and done.group == c.group and sender in done.contributions and done.result is not None:
             return self._answer(done.result)  # a repeat of a contribution to a round that completed
+        given_up = self._given_up.get(c.epoch)
+        if c.epoch not in self._rounds and given_up is not None and given_up.group == c.group:
+            raise self._abandoned(given_up)  # no retry with this group: the member it named is in it
         rnd = await self._round_for(c)
         if rnd.result is None:  # once reduced, a round's answer never changes
             rnd.contributions[sender] = (c.part, c.samples, c.ids)
@@ -334,11 +334,14 @@ class StageAllReduce:
                 self._reduce(rnd, c.epoch)
         await rnd.complete.wait()
         if rnd.result is None:
-            silent = f": no part from {' '.join(sorted(rnd.silent))}" if rnd.silent else ""
-            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} {ABANDONED}{silent}")
+            raise self._abandoned(rnd)
         return self._answer(rnd.result)
 
-    async def _round_for(self, c: Contribution) -> _Round:
+    @staticmethod
+    def _abandoned(rnd: Round) -> BadRequest:
+        return BadRequest(f"{NOT_READY} the round for epoch {rnd.epoch} {ABANDONED}{rnd.why_abandoned()}")
+
+    async def _round_for(self, c: Contribution) -> Round:
         """This owner's round for the contribution's epoch, once it agrees with the contribution: a
         contribution that comes first proposes the round (`on_wake`), and waits for it to begin."""
         if c.epoch not in self._rounds:
@@ -365,11 +368,14 @@ class StageAllReduce:
             raise BadRequest(f"part has {c.part.numel()} {c.part.dtype} values, expected {rnd.size} float32")
         return rnd
 
-    def _reduce(self, rnd: _Round, epoch: int) -> None:
+    def _reduce(self, rnd: Round, epoch: int) -> None:
         """Sum the members' parts in the group's order (the same bits whoever computes it), divide by the
         group's samples, pack once; merge the members' microbatch lists."""
         total_samples = sum(n for _, n, _ in rnd.contributions.values())
-        scales = self._clip_scales(rnd)
+        scales, cap = self.bounds.clip_scales(rnd.contributions)
+        if any(s < 1.0 for s in scales.values()):
+            log.info("stage %d: contributions of %s clipped to %.3g per sample", self.stage,
+                     ", ".join(short(m) for m, s in scales.items() if s < 1.0), cap)
         mean = torch.zeros(rnd.size, dtype=torch.float32)
         for member in rnd.group:
             part = rnd.contributions[member][0]
@@ -381,18 +387,6 @@ class StageAllReduce:
                       ", ".join(twice[:5]))
         rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
         rnd.complete.set()
-
-    def _clip_scales(self, rnd: _Round) -> dict[str, float]:
-        """How much each member's part counts (1: whole; see Bounds.clip_to_median)."""
-        if not self.bounds.clip_to_median or len(rnd.contributions) < 3:
-            return dict.fromkeys(rnd.contributions, 1.0)
-        norms = {m: float(torch.linalg.vector_norm(p)) / max(n, 1) for m, (p, n, _) in rnd.contributions.items()}
-        cap = self.bounds.clip_to_median * statistics.median(norms.values())
-        clipped = {m: min(1.0, cap / v) if v > 0 else 1.0 for m, v in norms.items()}
-        if any(s < 1.0 for s in clipped.values()):
-            log.info("stage %d: contributions of %s clipped to %.3g per sample", self.stage,
-                     ", ".join(short(m) for m, s in clipped.items() if s < 1.0), cap)
-        return clipped
 
     @staticmethod
     def _answer(result: tuple[codecs.Packed, int, list[str]]) -> tuple[dict[str, Any], list[Tagged]]:

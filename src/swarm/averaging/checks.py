@@ -4,6 +4,8 @@ owner's answer (the reduced part). One hostile or broken member must not poison 
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,15 @@ class Bounds:
     # the receipts' samples must add up to the claimed samples. Stage servers always check; off only where
     # the members are not fed by trainers (the arithmetic's own tests)
     receipts: bool = False
+
+    def clip_scales(self, contributions: dict[str, tuple[torch.Tensor, int, list[str]]]
+                    ) -> tuple[dict[str, float], float]:
+        """How much each member's part counts (1: whole), and the norm per sample parts are clipped to."""
+        if not self.clip_to_median or len(contributions) < 3:
+            return dict.fromkeys(contributions, 1.0), math.inf
+        norms = {m: float(torch.linalg.vector_norm(p)) / max(n, 1) for m, (p, n, _) in contributions.items()}
+        cap = self.clip_to_median * statistics.median(norms.values())
+        return {m: min(1.0, cap / v) if v > 0 else 1.0 for m, v in norms.items()}, cap
 
 
 @dataclass(frozen=True)
