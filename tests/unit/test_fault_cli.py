@@ -25,10 +25,14 @@ def run_dir(tmp_path):
 def test_delay_writes_the_peers_fault_file_and_logs_the_event(run_dir, capsys) -> None:
     assert main(["fault", "delay", "server-s0-1", "--run-dir", str(run_dir), "--seconds", "0.2", "--drop", "0.1"]) == 0
     rules = json.loads((run_dir / "faults" / "server-s0-1.json").read_text())
-    assert rules == {"delay": 0.2, "drop": 0.1, "blackhole": False}
+    assert rules == {"delay": 0.2, "drop": 0.1, "blackhole": False, "methods": []}
     (event,) = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
     assert (event["kind"], event["peer"]) == ("delay", "server-s0-1")
     assert "delay server-s0-1: done" in capsys.readouterr().out
+    assert main(["fault", "delay", "server-s0-1", "--run-dir", str(run_dir), "--blackhole",
+                 "--methods", "forward,backward"]) == 0
+    rules = json.loads((run_dir / "faults" / "server-s0-1.json").read_text())
+    assert rules == {"delay": 0.0, "drop": 0.0, "blackhole": True, "methods": ["forward", "backward"]}
 
 
 def test_a_peer_already_gone_is_not_an_error(run_dir) -> None:

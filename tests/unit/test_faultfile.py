@@ -32,6 +32,10 @@ def test_rules_follow_the_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Non
     assert faults.current() == Rules(0.25, 0.5, False)
     write(path, blackhole=True)
     assert faults.current() == Rules(0.0, 0.0, True)
+    write(path, blackhole=True, methods=["forward", "backward"])
+    assert faults.current() == Rules(0.0, 0.0, True, ("forward", "backward"))
+    write(path, blackhole=True, methods="forward")  # not a list: refused whole, with a warning
+    assert faults.current() == Rules()
     path.write_text("{not json")
     os.utime(path, (time.time() + 9, time.time() + 9))
     assert faults.current() == Rules()  # unreadable: no faults, and a warning
@@ -43,10 +47,10 @@ def test_delay_and_loss_are_applied(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(faultfile, "RECHECK_SECONDS", 0.0)
     path = tmp_path / "peer.json"
 
-    async def outcome(faults: FaultFile) -> tuple[bool, float]:
+    async def outcome(faults: FaultFile, method: str = "forward") -> tuple[bool, float]:
         start = time.perf_counter()
         try:
-            await asyncio.wait_for(faults.apply(), 0.5)
+            await asyncio.wait_for(faults.apply(method), 0.5)
             return True, time.perf_counter() - start
         except TimeoutError:
             return False, time.perf_counter() - start
@@ -60,3 +64,20 @@ def test_delay_and_loss_are_applied(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     faults = FaultFile(path, random.Random(1))
     kept = sum(asyncio.run(outcome(faults))[0] for _ in range(8))
     assert 0 < kept < 8
+
+
+def test_rules_narrowed_to_methods_leave_the_others_alone(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blackhole on forward and backward (a hung compute) swallows those calls; the all-reduce's go on."""
+    monkeypatch.setattr(faultfile, "RECHECK_SECONDS", 0.0)
+    path = tmp_path / "peer.json"
+    write(path, blackhole=True, methods=["forward", "backward"])
+    faults = FaultFile(path)
+
+    async def completes(method: str) -> bool:
+        try:
+            await asyncio.wait_for(faults.apply(method), 0.2)
+            return True
+        except TimeoutError:
+            return False
+
+    assert [asyncio.run(completes(m)) for m in ("forward", "backward", "reduce")] == [False, False, True]

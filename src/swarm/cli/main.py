@@ -112,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=0.0, help="delay: added to every RPC message")
     p.add_argument("--drop", type=float, default=0.0, help="delay: probability that a message is lost")
     p.add_argument("--blackhole", action="store_true", help="delay: lose every message")
+    p.add_argument("--methods", default="", help="delay: only these RPC methods, comma-separated "
+                                                 "(e.g. forward,backward: a hung compute); default every one")
     p.add_argument("--mbit", type=float, default=10.0, help="shape: link rate in Mbit/s each way")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
@@ -120,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
 def _inject(args: argparse.Namespace) -> None:
     faults = FaultInjector(args.run_dir)
     if args.action == "delay":
-        faults.delay(args.peer, args.seconds, args.drop, args.blackhole)
+        faults.delay(args.peer, args.seconds, args.drop, args.blackhole, [m for m in args.methods.split(",") if m])
     elif args.action == "shape":
         faults.shape(args.peer, args.mbit)
     else:

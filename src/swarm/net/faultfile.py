@@ -3,9 +3,11 @@
 Kernels without `netem` cannot delay or drop packets, so peers do it themselves: when
 `net.fault_file` names a file, every stage call this peer makes or serves first waits `delay`
 seconds, and is lost with probability `drop` (or always, with `blackhole`): the reply never comes and
-the caller's deadline ends the call, exactly as with a lost packet stream. The file is re-read when it
-changes, so faults come and go while the peer runs. DHT traffic is not affected; cut a network
-namespace's link (`swarm.ops.netlab`) for a real partition.
+the caller's deadline ends the call, exactly as with a lost packet stream. `methods` narrows the rules
+to those RPC methods: a blackhole on `forward` and `backward` alone is a server whose compute hangs
+while its all-reduce and records go on. The file is re-read when it changes, so faults come and go
+while the peer runs. DHT traffic is not affected; cut a network namespace's link (`swarm.ops.netlab`)
+for a real partition.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Rules:
     delay: float = 0.0
     drop: float = 0.0
     blackhole: bool = False
+    methods: tuple[str, ...] = ()  # the RPC methods the rules apply to (none named: every one)
 
 
 class FaultFile:
@@ -51,17 +54,22 @@ class FaultFile:
             self._mtime = mtime
             try:
                 raw = json.loads(self.path.read_text())
+                methods = raw.get("methods", [])
+                if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
+                    raise ValueError(f"methods must be a list of method names, not {methods!r}")
                 self.rules = Rules(float(raw.get("delay", 0.0)), float(raw.get("drop", 0.0)),
-                                   bool(raw.get("blackhole", False)))
+                                   bool(raw.get("blackhole", False)), tuple(methods))
             except (OSError, ValueError, TypeError, AttributeError) as e:
                 log.warning("ignoring unreadable fault file %s: %s", self.path, e)
                 self.rules = Rules()
             log.info("fault rules now: %s", self.rules)
         return self.rules
 
-    async def apply(self) -> None:
-        """Before a message goes out or is served: wait the delay; a lost message never completes."""
+    async def apply(self, method: str) -> None:
+        """Before a `method` call goes out or is served: wait the delay; a lost message never completes."""
         rules = self.current()
+        if rules.methods and method not in rules.methods:
+            return
         if rules.delay > 0:
             await asyncio.sleep(rules.delay)
         if rules.blackhole or (rules.drop > 0 and self.rng.random() < rules.drop):

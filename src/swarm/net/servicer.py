@@ -129,7 +129,7 @@ class StageServicer(ServicerBase):
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.faults is not None:
-            await self.faults.apply()
+            await self.faults.apply(name)
         try:
             admit = None if self.secret is None else partial(self._admit, caller, context.local_id.to_base58())
             # codec work, both ways, on worker threads: the event loop also renews this server's DHT records

@@ -70,7 +70,7 @@ class StageClient:
             if self.delay:
                 await asyncio.sleep(self.delay)
             if self.faults is not None:
-                await self.faults.apply()
+                await self.faults.apply(method)
             requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, self.traffic)
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
             return await decode(stream, REPLY_LIMIT_BYTES, self.traffic)

@@ -16,6 +16,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,10 +37,10 @@ class FaultEvent:
     detail: str = ""
 
 
-def write_fault_file(path: Path, seconds: float, drop: float, blackhole: bool) -> None:
+def write_fault_file(path: Path, seconds: float, drop: float, blackhole: bool, methods: Sequence[str] = ()) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"delay": seconds, "drop": drop, "blackhole": blackhole}))
+    tmp.write_text(json.dumps({"delay": seconds, "drop": drop, "blackhole": blackhole, "methods": list(methods)}))
     tmp.replace(path)
 
 
@@ -99,8 +100,11 @@ class FaultInjector:
         netlab.unshape(self._host(peer))
         self._record("unshape", peer)
 
-    def delay(self, peer: Peer | str, seconds: float = 0.0, drop: float = 0.0, blackhole: bool = False) -> None:
-        """Delay, drop (with probability `drop`) or swallow every RPC message the peer sends or serves."""
+    def delay(self, peer: Peer | str, seconds: float = 0.0, drop: float = 0.0, blackhole: bool = False,
+              methods: Sequence[str] = ()) -> None:
+        """Delay, drop (with probability `drop`) or swallow every RPC message the peer sends or serves (of
+        `methods` only, where named)."""
         name = self._entry(peer)["name"]
-        write_fault_file(fault_file(self.run_dir, name), seconds, drop, blackhole)
-        self._record("delay", peer, f"{seconds}s, drop {drop}" + (", blackhole" if blackhole else ""))
+        write_fault_file(fault_file(self.run_dir, name), seconds, drop, blackhole, methods)
+        self._record("delay", peer, f"{seconds}s, drop {drop}" + (", blackhole" if blackhole else "")
+                     + (f", {'/'.join(methods)} only" if methods else ""))

@@ -47,7 +47,7 @@ class GradientKeeper:
         self.done = done  # the trainer sends no more microbatches (no step after ours need be durable)
         self.stop = stop
         self.kept: dict[tuple[str, int], KeptGradient] = {}
-        self.replays = 0
+        self.replays = 0  # lost gradients accumulated again, by a server that answered
         self._replaying: set[asyncio.Task] = set()
 
     def keep(self, req: str, stage: int, method: str, tensors: list[torch.Tensor], served: Served) -> None:
@@ -113,9 +113,13 @@ class GradientKeeper:
             log.warning("replay of microbatch %s at stage %d failed: %s", g.req, g.stage, e)
             g.replaying = False
             return
-        self.replays += 1
-        log.info("microbatch %s: stage %d gradient lost with %s, accumulated again on %s",
-                 g.req, g.stage, short(g.holder), short(served.holder))
+        if served.holder == served.peer:
+            self.replays += 1
+            log.info("microbatch %s: stage %d gradient lost with %s, accumulated again on %s",
+                     g.req, g.stage, short(g.holder), short(served.holder))
+        else:  # its accumulating call went unanswered: judged again, from that server's ledger
+            log.info("microbatch %s: stage %d gradient lost with %s, sent again to %s, unanswered: in doubt there",
+                     g.req, g.stage, short(g.holder), short(served.holder))
         self.keep(g.req, g.stage, g.method, g.tensors, served)
 
     async def settle(self) -> int:
