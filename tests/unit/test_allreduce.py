@@ -14,9 +14,11 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.proto import runtime_pb2
 
-from swarm.averaging.allreduce import ROUND_CEILING, StageAllReduce
+from swarm.averaging import patience
+from swarm.averaging.allreduce import StageAllReduce
 from swarm.averaging.checks import POISON, Bounds
 from swarm.averaging.failures import RoundFailed
+from swarm.averaging.patience import ROUND_CEILING
 from swarm.averaging.rounds import RoundResult, part_bounds
 from swarm.core.ledger import merge_ids
 from swarm.net.identity import peer_id_of
@@ -357,7 +359,7 @@ def test_a_round_waits_as_long_as_this_members_rounds_have_been_taking() -> None
     samples = {"peerA": 1, "peerB": 2}
     members = make_members(ids, timeout=SHORT)
     late = members["peerB"].client = _LateClient("peerB", members, EXACT)
-    assert all(m.timeout == SHORT for m in members.values())  # before any round was timed: the floor
+    assert all(m.patience.timeout == SHORT for m in members.values())  # before any round was timed: the floor
 
     async def round_(epoch: int, delay: float) -> list[RoundResult]:
         late.delay = delay
@@ -367,7 +369,7 @@ def test_a_round_waits_as_long_as_this_members_rounds_have_been_taking() -> None
     async def main() -> list[RoundResult]:
         for epoch in range(3):
             await round_(epoch, 0.8)
-        assert all(SHORT + 0.5 < m.timeout < 4 * SHORT for m in members.values())
+        assert all(SHORT + 0.5 < m.patience.timeout < 4 * SHORT for m in members.values())
         return await round_(3, 1.3)
 
     results = asyncio.run(main())
@@ -390,7 +392,7 @@ def test_a_first_round_waits_past_the_timeout_for_a_late_member_its_records_show
     flat = grads(samples, 100)
     members = make_members(ids, timeout=SHORT)
     live = {"peerB"}
-    members["peerA"].at_epoch = records_showing(live)
+    members["peerA"].patience.at_epoch = records_showing(live)
     late = members["peerB"].client = _LateClient("peerB", members, EXACT)
     late.delay = SHORT + 0.5
 
@@ -408,7 +410,7 @@ def test_a_first_round_waits_past_the_timeout_for_a_late_member_its_records_show
     assert took >= SHORT + 0.5
 
     fresh = make_members(ids, timeout=SHORT)  # the same, at servers that never completed a round
-    fresh["peerA"].at_epoch = records_showing(live)
+    fresh["peerA"].patience.at_epoch = records_showing(live)
     members.update(fresh)
     late = members["peerB"].client = _LateClient("peerB", members, EXACT)
     late.delay = 60.0
@@ -426,7 +428,7 @@ def test_after_a_completed_round_a_late_member_is_not_waited_for_past_the_learne
     samples = {"peerA": 1, "peerB": 2}
     flat = grads(samples, 100)
     members = make_members(ids, timeout=SHORT)
-    members["peerA"].at_epoch = records_showing({"peerB"})
+    members["peerA"].patience.at_epoch = records_showing({"peerB"})
     late = members["peerB"].client = _LateClient("peerB", members, EXACT)
 
     async def round_(epoch: int) -> list[Any]:
@@ -434,10 +436,66 @@ def test_after_a_completed_round_a_late_member_is_not_waited_for_past_the_learne
                                     return_exceptions=True)
 
     assert_exact_mean(run_all(round_(0)), flat, samples)
-    learned = members["peerA"].timeout
+    learned = members["peerA"].patience.timeout
     late.delay = learned + 2.0
     a, _ = run_all(round_(1))
     assert isinstance(a, RoundFailed) and a.unreachable == frozenset({"peerB"}), a
+
+
+def test_a_member_gone_from_the_stages_records_ends_the_round_long_before_its_timeout(monkeypatch) -> None:
+    """peerB froze before its round began: its part never comes, calls to it hang, and its record lapses.
+    peerA, whose read of the records shows that, gives up at its next check instead of at its 30 s
+    timeout, naming peerB; peerC, whose part waited at peerA, hears why from peerA and names peerB too.
+    Both leave it out of their next group, and meanwhile their gradients do not wait unstepped."""
+    monkeypatch.setattr(patience, "RECHECK", 0.2)
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 1, "peerB": 2, "peerC": 3}
+    flat = grads(samples, 90)
+    members = make_members(ids, timeout=30.0)
+    asked: list[frozenset[str]] = []
+
+    async def lapsed(waiting: frozenset[str]) -> frozenset[str]:
+        asked.append(waiting)
+        return waiting & {"peerB"}
+
+    members["peerA"].patience.lapsed = lapsed
+
+    async def main() -> tuple[list[Any], float]:
+        start = time.monotonic()
+        outcomes = await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ("peerA", "peerC")),
+                                        return_exceptions=True)
+        return outcomes, time.monotonic() - start
+
+    (a, c), took = run_all(main())
+    assert isinstance(a, RoundFailed) and a.unreachable == {"peerB"}, a
+    assert isinstance(c, RoundFailed) and c.unreachable == {"peerB"}, c
+    assert took < 2.0, took
+    assert asked and all("peerB" in waiting and "peerA" not in waiting for waiting in asked), asked
+
+
+def test_a_member_whose_records_are_renewed_is_waited_for_as_before(monkeypatch) -> None:
+    """The same check, with peerB slow but renewing its record: nothing lapsed, so its part, 0.6 s late,
+    is waited for and the round completes."""
+    monkeypatch.setattr(patience, "RECHECK", 0.2)
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 1, "peerB": 2}
+    flat = grads(samples, 100)
+    members = make_members(ids, timeout=SHORT)
+    checks: list[frozenset[str]] = []
+
+    async def lapsed(waiting: frozenset[str]) -> frozenset[str]:
+        checks.append(waiting)
+        return frozenset()
+
+    members["peerA"].patience.lapsed = lapsed
+    members["peerB"].client = late = _LateClient("peerB", members, EXACT)
+    late.delay = 0.6
+
+    async def main() -> list[Any]:
+        return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
+
+    assert_exact_mean(run_all(main()), flat, samples)
+    assert checks  # the records were read while peerB's part was late
 
 
 class _SlowAnswers(LoopbackClient):

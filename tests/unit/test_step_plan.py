@@ -130,6 +130,16 @@ def test_only_suspects_left_means_stepping_alone_at_once():
     assert decisions == [Step(("me",))]
 
 
+def test_a_replica_whose_only_peer_failed_its_round_and_lapsed_steps_alone_without_the_grace():
+    """The peer froze: the round failed on it, and by the next look its record has expired. The grace is
+    for peers not yet announced, not for one this replica knows is gone."""
+    (first,), memory = looks(view(0.0, Replica("b", 3, 16), pending=16))
+    assert first == Step(("b", "me"))
+    memory = suspect(memory, ["b"], until=8.0, epoch=3)
+    decisions, _ = looks(view(3.0, pending=40), memory=memory)
+    assert decisions == [Step(("me",))]
+
+
 def test_a_proposal_is_accepted_only_for_our_epoch_with_us_and_everyone_we_know_at_it():
     _, memory = looks(view(0.0, Replica("b", 3, 4), Replica("c", 3, 4), pending=4))
     assert accept_proposal(memory, "me", 3, 3, ("b", "c", "me"))

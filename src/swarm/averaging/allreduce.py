@@ -40,6 +40,7 @@ import torch
 
 from swarm.averaging.checks import POISON, Bounds, Contribution, answer_problem, check_receipts
 from swarm.averaging.failures import RefusedBy, RoundFailed, Unreachable, WeightsDiverged
+from swarm.averaging.patience import Patience
 from swarm.averaging.rounds import (
     POISON_FROM,
     SILENT,
@@ -50,7 +51,6 @@ from swarm.averaging.rounds import (
     part_bounds,
 )
 from swarm.core.ledger import merge_ids
-from swarm.core.throughput import LatencyTracker
 from swarm.net.directory import short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -71,8 +71,6 @@ NOT_READY = "not ready:"
 
 
 REDUCE_ATTEMPTS = 3  # calls to one owner before it counts as unreachable (a lost reply is rare)
-ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
-RECHECK = 2.0  # seconds between reads of the stage's records while a round waits for a late member
 
 
 class StageAllReduce:
@@ -85,30 +83,19 @@ class StageAllReduce:
         on_wake: Callable[[int, tuple[str, ...]], bool],
         bounds: Bounds | None = None,
         at_epoch: Callable[[int, frozenset[str]], Awaitable[frozenset[str]]] | None = None,
+        lapsed: Callable[[frozenset[str]], Awaitable[frozenset[str]]] | None = None,
     ):
-        """`at_epoch(epoch, members)`: those of `members` a fresh read of the stage's records shows live at
-        `epoch` (None: the records are not consulted)."""
+        """`at_epoch`, `lapsed`: the stage's records, as `swarm.averaging.patience.Patience` reads them."""
         self.bounds = bounds or Bounds()
-        self.at_epoch = at_epoch
+        self.patience = Patience(timeout, at_epoch, lapsed)
         self.client = client
         self.own_id = own_id
         self.stage = stage
-        self.floor = timeout  # `net.allreduce_timeout`: what a round waits before any round was timed here
-        self._took = LatencyTracker()  # how long this member's completed rounds took
         self.on_wake = on_wake
         self._rounds: dict[int, Round] = {}  # keyed by epoch: at most one round per epoch is open
         self._started: dict[int, asyncio.Event] = {}
         self._finished: dict[int, Round] = {}  # recent completed rounds, for members whose reply was lost
         self._given_up: dict[int, Round] = {}  # recent rounds given up naming poison: late parts hear why at once
-
-    @property
-    def timeout(self) -> float:
-        """Seconds a round waits for its parts: `net.allreduce_timeout`, or longer where this member's
-        completed rounds took long (a slow groupmate, a slow link, a large stage): their mean and four
-        deviations, up to ROUND_CEILING times the floor. A round given up at a slow groupmate leaves it out
-        of the next groups and splits the stage's replicas (`swarm.server.stepping`); waiting as long as
-        rounds take avoids that, and a member that died costs at most the ceiling."""
-        return self._took.timeout(self.floor, ROUND_CEILING * self.floor) if self._took.observed else self.floor
 
     def _started_event(self, epoch: int) -> asyncio.Event:
         return self._started.setdefault(epoch, asyncio.Event())
@@ -149,7 +136,7 @@ class StageAllReduce:
         if len(totals) != 1:
             raise RoundFailed(f"owners disagree on the samples: {sorted(t for t, _ in totals)}")
         self._finished[epoch] = rnd
-        self._took.observe(time.monotonic() - began)
+        self.patience.observe(time.monotonic() - began)
         for kept in (self._finished, self._given_up):
             for old in [e for e in kept if e < epoch - 2]:
                 del kept[old]
@@ -163,7 +150,7 @@ class StageAllReduce:
         gathered = asyncio.gather(*tasks)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are handled below
         try:
-            return await self._await_parts(rnd, gathered)
+            return await self.patience.wait(rnd, self.own_id, tasks, gathered)
         except Unreachable as e:
             raise RoundFailed(f"epoch {epoch}: {e}", frozenset({e.owner})) from e
         except TimeoutError as e:  # members whose part never reached us are the ones that hang
@@ -195,42 +182,6 @@ class StageAllReduce:
                 if rnd.poisoned or rnd.poison_named:
                     self._given_up[epoch] = rnd
 
-    async def _await_parts(self, rnd: Round, gathered: asyncio.Future) -> list:
-        """`gathered` within the round's timeout, or up to ROUND_CEILING times the floor in two cases.
-
-        - Every member's part for ours has come: those members are alive and in this round, and an owner's
-          answer that is late is a slow machine reducing its part (our part's answer has gone out, so the
-          others may step with it, and giving up would leave us a step behind them).
-        - No round has completed here yet, so the timeout is the floor, which knows nothing of how slow
-          the group is, and the stage's records show every member whose part is missing live at the round's
-          epoch: a slow replica still finishing the job it had begun (a step goes before queued work, not
-          before the running one), not a dead one. Such a member is waited for while each read, every
-          RECHECK seconds, still shows it so. A hostile member can hold a server's first round so, once: the
-          retry leaves it out (swarm.server.stepping), completes, and is timed.
-
-        (asyncio.timeout, not wait_for: wait_for can lose a cancellation.)"""
-        deadline, timeout = rnd.began + ROUND_CEILING * self.floor, self.timeout
-        while True:
-            try:
-                async with asyncio.timeout(timeout):
-                    return await asyncio.shield(gathered)
-            except TimeoutError:
-                if time.monotonic() >= deadline or not await self._wait_longer(rnd):
-                    raise
-            timeout = min(RECHECK, deadline - time.monotonic())
-
-    async def _wait_longer(self, rnd: Round) -> bool:
-        missing = frozenset(rnd.group) - rnd.contributions.keys()
-        if missing and (self._took.observed or self.at_epoch is None
-                        or not missing <= await self.at_epoch(rnd.epoch, missing)):
-            return False
-        if not rnd.waited_longer:
-            rnd.waited_longer = True
-            why = (f"no part yet from [{','.join(map(short, sorted(missing)))}], live at this epoch in the stage's "
-                   "records" if missing else "every part for ours is in")
-            log.info("epoch %d: %s; waiting up to %.0fs", rnd.epoch, why, ROUND_CEILING * self.floor)
-        return True
-
     async def _hear_out(self, rnd: Round, tasks: list[asyncio.Future], reason: str) -> RoundFailed | None:
         """Another owner gave up its round and named members whose part or answer was poison: wait, within
         our round's timeout, for our own evidence on each (its part to us, or our exchange with it), and
@@ -239,7 +190,7 @@ class StageAllReduce:
         exchanges = {m: tasks[rnd.group.index(m)] for m in named_in(reason, POISON_FROM, rnd.group) - {self.own_id}}
         poisoned_here = asyncio.ensure_future(rnd.complete.wait())  # (a poisoned part ends our round)
         try:
-            while (left := rnd.began + self.timeout - time.monotonic()) > 0 and (open_ := [
+            while (left := rnd.began + self.patience.timeout - time.monotonic()) > 0 and (open_ := [
                     t for m, t in exchanges.items() if not t.done() and m not in rnd.poisoned]):
                 await asyncio.wait(open_ + ([] if poisoned_here.done() else [poisoned_here]), timeout=left,
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -276,9 +227,9 @@ class StageAllReduce:
             # that no call reaches has most likely died, and the round fails now rather than at its timeout
             for attempt in range(REDUCE_ATTEMPTS):
                 try:
-                    # (the round's own wait bounds the call: see `_await_parts`)
+                    # (the round's own wait bounds the call: see `Patience.wait`)
                     reply, tensors = await self.client.call(owner, "reduce", meta, [Tagged("allreduce", part)],
-                                                            ROUND_CEILING * self.floor)
+                                                            self.patience.ceiling)
                     break
                 except CallFailed as e:
                     if e.refused and not any(mark in str(e) for mark in (NOT_READY, DIVERGED, POISON)):
@@ -349,7 +300,7 @@ class StageAllReduce:
                 raise BadRequest(f"{NOT_READY} this replica is not at epoch {c.epoch}")
             started = self._started_event(c.epoch)
             try:
-                async with asyncio.timeout(self.timeout):  # (not wait_for: it can lose a cancellation)
+                async with asyncio.timeout(self.patience.timeout):  # (not wait_for: it can lose a cancellation)
                     await started.wait()
             except TimeoutError as e:
                 raise BadRequest(f"{NOT_READY} no round for epoch {c.epoch} began here") from e

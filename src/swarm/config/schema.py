@@ -219,8 +219,8 @@ class NetConfig:
     max_payload_mb: float = 64.0  # requests larger than this are refused
     # seconds a stage all-reduce waits for its parts before it is retried; longer (up to 4x) where this
     # replica's rounds have been taking longer, where only owners' answers are missing, or, before any
-    # round completed, while the late members' records show them live (see
-    # swarm.averaging.allreduce.StageAllReduce.timeout and _await_parts)
+    # round completed, while the late members' records show them live; shorter where a member it waits
+    # on is seen gone from those records (see swarm.averaging.patience)
     allreduce_timeout: float = 15.0
     # a JSON file of message delay/loss rules for this peer's stage calls (fault injection; see
     # swarm.net.faultfile); empty for none

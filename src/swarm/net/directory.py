@@ -74,6 +74,16 @@ class Directory:
         """Those of `peers` whose records in a fresh read of `stage` are live and at `epoch`."""
         return frozenset(r.peer_id for r in await self.stage(stage) if r.peer_id in peers and r.epoch == epoch)
 
+    async def lapsed(self, stage: int, peers: frozenset[str]) -> frozenset[str]:
+        """Those of `peers` out of `stage`: the newest of their records read so far has expired, and a read
+        begun after that does not list them (they stopped renewing: frozen, cut off, or dead). The rule
+        trainers leave a server's calls by; no read at all while each of `peers` has a record known live."""
+        began = self.now()
+        due = frozenset(p for p in peers if self.expires.get(p, math.inf) <= began)
+        if not due:
+            return frozenset()
+        return due - {r.peer_id for r in await self.stage(stage)}
+
     async def vouch(self, stage: int, config_hash: str, me: str, source: str, meta: dict,
                     known: Iterable[ServerRecord], wait: float) -> bool:
         """Whether the replicas of `stage` other than `me` vouch for a state `source` served, described by

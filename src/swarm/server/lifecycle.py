@@ -192,7 +192,8 @@ class StageServer:
         bounds = Bounds(cfg.server.max_grad_norm, cfg.server.max_request_samples, cfg.server.clip_to_median,
                         receipts=True)
         allreduce = StageAllReduce(peer.client, peer.peer_id, index, cfg.net.allreduce_timeout, st.accept_proposal,
-                                   bounds, partial(peer.directory.live_at, index))
+                                   bounds, *(partial(read, index) for read in (peer.directory.live_at,
+                                                                               peer.directory.lapsed)))
         stepper = Stepper(st, peer.peer_id, cfg.optim, cfg.net, cfg.server.checkpoint_every, gate, peer.directory,
                           allreduce, announcer, transfer, self.results, f"{name}.steps.jsonl", self.rng)
         mover = Mover(st, peer.peer_id, cfg.server.name, self.hash, cfg.model.num_stages, cfg.rebalance,
