@@ -444,7 +444,7 @@ def test_after_a_completed_round_a_late_member_is_not_waited_for_past_the_learne
 
 def test_a_member_gone_from_the_stages_records_ends_the_round_long_before_its_timeout(monkeypatch) -> None:
     """peerB froze before its round began: its part never comes, calls to it hang, and its record lapses.
-    peerA, whose read of the records shows that, gives up at its next check instead of at its 30 s
+    peerA, whose reads of the records show that twice in a row, gives up then instead of at its 30 s
     timeout, naming peerB; peerC, whose part waited at peerA, hears why from peerA and names peerB too.
     Both leave it out of their next group, and meanwhile their gradients do not wait unstepped."""
     monkeypatch.setattr(patience, "RECHECK", 0.2)
@@ -473,9 +473,10 @@ def test_a_member_gone_from_the_stages_records_ends_the_round_long_before_its_ti
     assert asked and all("peerB" in waiting and "peerA" not in waiting for waiting in asked), asked
 
 
-def test_a_member_whose_records_are_renewed_is_waited_for_as_before(monkeypatch) -> None:
-    """The same check, with peerB slow but renewing its record: nothing lapsed, so its part, 0.6 s late,
-    is waited for and the round completes."""
+def test_a_member_missed_by_one_read_of_the_records_is_waited_for_as_before(monkeypatch) -> None:
+    """The same check, with peerB slow but renewing its record: one read misses it (a partial read, or a
+    renewal late on a busy machine), the next lists it again, so its part, 0.6 s late, is waited for and
+    the round completes."""
     monkeypatch.setattr(patience, "RECHECK", 0.2)
     ids = ("peerA", "peerB")
     samples = {"peerA": 1, "peerB": 2}
@@ -485,7 +486,7 @@ def test_a_member_whose_records_are_renewed_is_waited_for_as_before(monkeypatch)
 
     async def lapsed(waiting: frozenset[str]) -> frozenset[str]:
         checks.append(waiting)
-        return frozenset()
+        return waiting if len(checks) == 1 else frozenset()
 
     members["peerA"].patience.lapsed = lapsed
     members["peerB"].client = late = _LateClient("peerB", members, EXACT)
@@ -495,7 +496,7 @@ def test_a_member_whose_records_are_renewed_is_waited_for_as_before(monkeypatch)
         return await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
 
     assert_exact_mean(run_all(main()), flat, samples)
-    assert checks  # the records were read while peerB's part was late
+    assert len(checks) >= 2  # the records were read again while peerB's part was late
 
 
 class _SlowAnswers(LoopbackClient):

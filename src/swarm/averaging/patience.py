@@ -52,9 +52,11 @@ class Patience:
         TimeoutError past it, or RoundFailed naming the members it waits on that are gone.
 
         Every RECHECK seconds the wait ends if a member whose part, or answer to ours, has not come is seen
-        gone from the stage's records (it stopped renewing them: frozen, cut off or dead). That comes within
-        a record's lifetime, where the timeout is 15 s or more, while the groupmates' gradients pile up
-        unstepped and the other stages step on without them. The check reads nothing while every such
+        gone from the stage's records (it stopped renewing them: frozen, cut off or dead) by two checks in a
+        row: one read can come back partial under load, and a slow machine's renewal can be late, while
+        stepping without a live member makes it download the stage's state. That comes within a record's
+        lifetime and two checks, where the timeout is 15 s or more, while the groupmates' gradients pile up
+        unstepped and the other stages step on without them. A check reads nothing while every such
         member's last record read is still live.
 
         The wait goes past the timeout, up to the ceiling, in two cases:
@@ -70,12 +72,14 @@ class Patience:
 
         (asyncio.timeout, not wait_for: wait_for can lose a cancellation.)"""
         deadline, until = rnd.began + self.ceiling, rnd.began + self.timeout
+        missed: frozenset[str] = frozenset()  # members the last check found lapsed
         while True:
             try:
                 async with asyncio.timeout(max(0.0, min(RECHECK, until - time.monotonic()))):
                     return await asyncio.shield(gathered)
             except TimeoutError:
-                if gone := await self._gone(rnd, own_id, tasks):
+                gone, missed = missed & (lapsed := await self._lapsed(rnd, own_id, tasks)), lapsed
+                if gone:
                     rnd.silent = gone
                     raise RoundFailed(f"epoch {rnd.epoch}: [{','.join(map(short, sorted(gone)))}] gone from the "
                                       f"stage's records after {time.monotonic() - rnd.began:.0f}s", gone) from None
@@ -85,7 +89,7 @@ class Patience:
                     raise
                 until = min(time.monotonic() + RECHECK, deadline)
 
-    async def _gone(self, rnd: Round, own_id: str, tasks: list[asyncio.Future]) -> frozenset[str]:
+    async def _lapsed(self, rnd: Round, own_id: str, tasks: list[asyncio.Future]) -> frozenset[str]:
         """The members whose part, or answer to ours, the round still waits on, and whose records lapsed."""
         waiting = frozenset(m for m, task in zip(rnd.group, tasks, strict=True)
                             if m != own_id and (m not in rnd.contributions or not task.done()))
