@@ -448,6 +448,7 @@ def test_a_member_gone_from_the_stages_records_ends_the_round_long_before_its_ti
     timeout, naming peerB; peerC, whose part waited at peerA, hears why from peerA and names peerB too.
     Both leave it out of their next group, and meanwhile their gradients do not wait unstepped."""
     monkeypatch.setattr(patience, "RECHECK", 0.2)
+    monkeypatch.setattr(patience, "CONFIRM", 0.1)
     ids = ("peerA", "peerB", "peerC")
     samples = {"peerA": 1, "peerB": 2, "peerC": 3}
     flat = grads(samples, 90)
@@ -478,6 +479,7 @@ def test_a_member_missed_by_one_read_of_the_records_is_waited_for_as_before(monk
     renewal late on a busy machine), the next lists it again, so its part, 0.6 s late, is waited for and
     the round completes."""
     monkeypatch.setattr(patience, "RECHECK", 0.2)
+    monkeypatch.setattr(patience, "CONFIRM", 0.1)
     ids = ("peerA", "peerB")
     samples = {"peerA": 1, "peerB": 2}
     flat = grads(samples, 100)

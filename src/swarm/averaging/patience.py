@@ -21,6 +21,7 @@ from swarm.net.directory import short
 log = logging.getLogger("swarm.averaging.allreduce")
 ROUND_CEILING = 4.0  # a round waits at most this many times `net.allreduce_timeout`, however long rounds took
 RECHECK = 2.0  # seconds between reads of the stage's records while a round waits for a late member
+CONFIRM = 1.0  # seconds to the read that confirms a lapse: a live member renews its record every second
 
 
 class Patience:
@@ -53,11 +54,11 @@ class Patience:
 
         Every RECHECK seconds the wait ends if a member whose part, or answer to ours, has not come is seen
         gone from the stage's records (it stopped renewing them: frozen, cut off or dead) by two checks in a
-        row: one read can come back partial under load, and a slow machine's renewal can be late, while
-        stepping without a live member makes it download the stage's state. That comes within a record's
-        lifetime and two checks, where the timeout is 15 s or more, while the groupmates' gradients pile up
-        unstepped and the other stages step on without them. A check reads nothing while every such
-        member's last record read is still live.
+        row, the second CONFIRM seconds after the first: one read can come back partial under load, and a
+        slow machine's renewal can be late, while stepping without a live member makes it download the
+        stage's state. That comes within a record's lifetime and two checks, where the timeout is 15 s or
+        more, while the groupmates' gradients pile up unstepped and the other stages step on without them.
+        A check reads nothing while every such member's last record read is still live.
 
         The wait goes past the timeout, up to the ceiling, in two cases:
         - Every member's part for ours has come: those members are alive and in this round, and an owner's
@@ -75,7 +76,7 @@ class Patience:
         missed: frozenset[str] = frozenset()  # members the last check found lapsed
         while True:
             try:
-                async with asyncio.timeout(max(0.0, min(RECHECK, until - time.monotonic()))):
+                async with asyncio.timeout(max(0.0, min(CONFIRM if missed else RECHECK, until - time.monotonic()))):
                     return await asyncio.shield(gathered)
             except TimeoutError:
                 gone, missed = missed & (lapsed := await self._lapsed(rnd, own_id, tasks)), lapsed
