@@ -24,9 +24,9 @@ GRACE = 4.0
 
 
 def view(now: float, *others: Replica, epoch: int = 3, pending: int = 16, trainers: int = 1, done: bool = False,
-         proposal=None) -> StepView:
+         proposal=None, lapsed: frozenset[str] = frozenset()) -> StepView:
     return StepView(now=now, me="me", epoch=epoch, pending=pending, others=tuple(others), trainers=trainers,
-                    trainers_done=done, proposal=proposal, target_batch_size=32, grace=GRACE)
+                    trainers_done=done, proposal=proposal, target_batch_size=32, grace=GRACE, lapsed=lapsed)
 
 
 def looks(*views: StepView, memory: PlanMemory | None = None):
@@ -128,6 +128,17 @@ def test_only_suspects_left_means_stepping_alone_at_once():
     memory = suspect(PlanMemory(), ["b"], until=5.0, epoch=3)
     decisions, _ = looks(view(0.0, Replica("b", 3, 0), pending=32), memory=memory)
     assert decisions == [Step(("me",))]
+
+
+def test_a_replica_whose_only_peer_lapsed_steps_alone_without_the_grace():
+    """The peer froze right after a step it took with us, before it announced it: it looks one epoch
+    behind, and then its record expires. Missing from a read begun after that, it is gone."""
+    (first,), memory = looks(view(0.0, Replica("b", 2, 0), pending=32))
+    assert first == Wait()  # a groupmate a step behind is waited for
+    decisions, _ = looks(view(5.0, pending=40, lapsed=frozenset({"b"})), memory=memory)
+    assert decisions == [Step(("me",))]
+    decisions, _ = looks(view(5.0, pending=40), memory=memory)  # merely missing from one read
+    assert decisions == [Wait()]
 
 
 def test_a_replica_whose_only_peer_failed_its_round_and_lapsed_steps_alone_without_the_grace():

@@ -72,6 +72,8 @@ class StepView:
     proposal: tuple[int, tuple[str, ...]] | None  # a round a groupmate began and we accepted (epoch, group)
     target_batch_size: int
     grace: float  # seconds a replica waits for a peer that looks behind, or for a first peer to appear
+    # replicas of the stage seen before, missing from this read though it began after their records expired
+    lapsed: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,10 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     Likewise a replica steps alone only after it has seen no other replica for `grace`: a peer that
     started with it may not have announced itself yet; and never while it sees no trainer either (it is
     more likely cut off from the swarm than its stage's last replica). A suspect (a peer that failed a
-    round of ours) is left out until its record expires, unless its record moves on (it is alive); a
-    replica with only suspects left steps alone at once, whether their records are still listed or have
-    lapsed: it knows of them, and waiting would let its gradients pile up unstepped while the other stages
-    step on.
+    round of ours) is left out until its record expires, unless its record moves on (it is alive). A
+    replica whose only peers are suspects, or have lapsed (stopped renewing their records: frozen, say,
+    right after a step they took with it), steps alone at once: it knows of them, and waiting would let its
+    gradients pile up unstepped while the other stages step on.
     """
     if view.proposal is not None and view.proposal[0] == view.epoch:
         return Step(view.proposal[1]), memory
@@ -138,8 +140,8 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     alone_since = memory.alone_since
     if in_view:
         alone_since = math.inf
-    elif alone_since == math.inf:  # no need to wait for replicas we know of but cannot reach, listed or not
-        alone_since = now - (math.inf if view.others or suspects else 0.0)
+    elif alone_since == math.inf:  # no need to wait for replicas we know of but cannot reach, or know are gone
+        alone_since = now - (math.inf if view.others or suspects or view.lapsed else 0.0)
     memory = replace(memory, suspects=suspects, alone_since=alone_since)
     unproven = {p: (until, e) for p, (until, e) in memory.unproven.items() if until > now and epochs.get(p) == e}
     memory = replace(memory, unproven=unproven)

@@ -73,6 +73,8 @@ class Stepper:
         self.rng = rng
         self._trainers_read: tuple[float, list[TrainerRecord]] = (-math.inf, [])
         self._records_read: tuple[float, list[ServerRecord]] = (-math.inf, [])
+        self._seen: set[str] = set()  # the stage's other replicas seen in its records (while the directory
+        self._lapsed: frozenset[str] = frozenset()  # keeps their expiries), and those the last read showed lapsed
         self._failures = 0  # rounds failed in a row, for the backoff
         self._strikes: dict[str, int] = {}  # peer -> rounds in a row it refused our part in
         self.finishing = False  # the server is leaving its stage: no new round starts
@@ -161,7 +163,7 @@ class Stepper:
             now=time.monotonic(), me=self.peer_id, epoch=st.runtime.epoch, pending=st.runtime.pending_samples,
             others=tuple(Replica(r.peer_id, r.epoch, r.pending) for r in records if r.peer_id != self.peer_id),
             trainers=len(trainers), trainers_done=all(t.done for t in trainers), proposal=proposal,
-            target_batch_size=self.target_batch_size, grace=self.grace,
+            target_batch_size=self.target_batch_size, grace=self.grace, lapsed=self._lapsed,
         )
         decision, st.plan = plan_step(view, st.plan)
         return decision, records
@@ -173,7 +175,13 @@ class Stepper:
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         if now - self._records_read[0] >= (LOOK_EVERY if others else self.net.announce_period):
-            self._records_read = (now, await self.directory.stage(self.stage.index))
+            began = self.directory.now()
+            records = await self.directory.stage(self.stage.index)
+            listed = {r.peer_id for r in records}
+            expires = self.directory.expires
+            self._seen = {p for p in self._seen | listed if p in expires and p != self.peer_id}
+            self._lapsed = frozenset(p for p in self._seen - listed if expires[p] <= began)
+            self._records_read = (now, records)
         return self._records_read[1]
 
     async def _trainers(self) -> list[TrainerRecord]:
