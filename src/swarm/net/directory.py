@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time
@@ -40,7 +40,7 @@ class Directory:
         self.run_id = run_id
         self.ttl = record_ttl
         # server -> DHT time at which the newest of its records read so far expires: a read begun after
-        # that which does not list it shows it stopped renewing (see swarm.trainer.view)
+        # that which does not list it shows it stopped renewing (`lapsed_in`)
         self.expires: dict[str, float] = {}
         self._unvouched: set[str] = set()  # sources of states refused as unvouched (logged once each)
 
@@ -75,14 +75,12 @@ class Directory:
         return frozenset(r.peer_id for r in await self.stage(stage) if r.peer_id in peers and r.epoch == epoch)
 
     async def lapsed(self, stage: int, peers: frozenset[str]) -> frozenset[str]:
-        """Those of `peers` out of `stage`: the newest of their records read so far has expired, and a read
-        begun after that does not list them (they stopped renewing: frozen, cut off, or dead). The rule
-        trainers leave a server's calls by; no read at all while each of `peers` has a record known live."""
+        """Those of `peers` out of `stage` by `lapsed_in`, in a fresh read; no read at all while each of
+        `peers` has a record known live."""
         began = self.now()
-        due = frozenset(p for p in peers if self.expires.get(p, math.inf) <= began)
-        if not due:
+        if not (due := lapsed_in(self.expires, peers, (), began)):
             return frozenset()
-        return due - {r.peer_id for r in await self.stage(stage)}
+        return lapsed_in(self.expires, due, {r.peer_id for r in await self.stage(stage)}, began)
 
     async def vouch(self, stage: int, config_hash: str, me: str, source: str, meta: dict,
                     known: Iterable[ServerRecord], wait: float) -> bool:
@@ -147,6 +145,15 @@ class Directory:
     def now(self) -> float:
         """DHT time, which leases are measured in."""
         return get_dht_time()
+
+
+def lapsed_in(expires: Mapping[str, float], peers: Iterable[str], listed: Collection[str], began: float
+              ) -> frozenset[str]:
+    """Those of `peers` that a read begun at DHT time `began` did not list (`listed`), though the newest of
+    their records read before (`Directory.expires`) had expired by then: they stopped renewing (frozen, cut
+    off, or dead). A live server's renewals keep its expiry ahead of every read, so one read that misses it
+    (a DHT lookup can come back partial) proves nothing. The rule trainers leave a server's calls by."""
+    return frozenset(p for p in peers if p not in listed and expires.get(p, math.inf) <= began)
 
 
 def _announced(records: Iterable[ServerRecord], config_hash: str) -> set[Announced]:

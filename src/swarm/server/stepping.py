@@ -35,7 +35,7 @@ from swarm.core.stepping import (
     unproven,
 )
 from swarm.core.vouching import keeper as keeper_of
-from swarm.net.directory import Directory, short
+from swarm.net.directory import Directory, lapsed_in, short
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.gate import ComputeGate
@@ -178,9 +178,8 @@ class Stepper:
             began = self.directory.now()
             records = await self.directory.stage(self.stage.index)
             listed = {r.peer_id for r in records}
-            expires = self.directory.expires
-            self._seen = {p for p in self._seen | listed if p in expires and p != self.peer_id}
-            self._lapsed = frozenset(p for p in self._seen - listed if expires[p] <= began)
+            self._seen = {p for p in self._seen | listed if p in self.directory.expires and p != self.peer_id}
+            self._lapsed = lapsed_in(self.directory.expires, self._seen, listed, began)
             self._records_read = (now, records)
         return self._records_read[1]
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Collection
 
 from swarm.config import describe_mismatch
-from swarm.net.directory import Directory, note_fresh_start, short
+from swarm.net.directory import Directory, lapsed_in, note_fresh_start, short
 from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.trainer")
@@ -62,8 +62,8 @@ class SwarmView:
             self._last_listed.update(((stage, r.peer_id), self._refreshes) for r in usable)
             listed = {r.peer_id for r in usable}
             self._lapsed -= {(stage, peer) for peer in listed}
-            self._lapsed |= {(k, peer) for k, peer in self._last_listed
-                             if k == stage and peer not in listed and directory.expires.get(peer, math.inf) <= began}
+            self._lapsed |= {(stage, peer) for peer in lapsed_in(
+                directory.expires, (p for k, p in self._last_listed if k == stage), listed, began)}
         self._refreshes += 1
 
     def saw_epoch(self, stage: int, epoch: int, peer: str) -> None:
