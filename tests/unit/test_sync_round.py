@@ -1,6 +1,6 @@
 """A sync round takes a replica's gradients out (`begin_step`) and steps on the stage's mean when the
 all-reduce is over (`apply_step(..., own)`), while backwards go on in between: what they accumulate is
-left for the next step, with its ledger entries; a round that fails gives its part back. A replica
+left for the next step, with its ledger entries; a round that fails holds its part apart for the retry. A replica
 alone in its round steps where its gradients lie (`step_alone`), to the same weights."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tests.unit.test_runtime import accumulate, assert_within, flat, hidden, ove
 from tests.unit.test_server_parts import CFG, ID, call, last_stage_request, served
 
 from swarm.averaging.allreduce import RoundResult
+from swarm.averaging.failures import RoundFailed
 from swarm.core.ledger import carry
 from swarm.model import load_stages
 from swarm.server.gate import ComputeGate
@@ -47,34 +48,39 @@ def test_backwards_during_a_round_go_into_the_next_step_and_the_step_is_the_roun
     assert_within(gradient_vector(rt.params), gradient_vector(alone.params), 1e-6)
 
 
-def test_a_round_that_failed_everywhere_gives_its_part_back_beside_what_came_meanwhile() -> None:
-    rt, reference = twins()
+def test_a_retry_sends_the_failed_rounds_part_again_and_what_came_meanwhile_waits_for_the_next_step() -> None:
+    """Owners that reduced the part in the failed attempt answer a repeat with their old result, so every
+    attempt at an epoch must send the same part: what accumulated since is not added to it."""
+    rt, meanwhile = twins()
     accumulate(rt, seed=4)
-    accumulate(reference, seed=4)
     own = rt.begin_step()
-    for replica in (rt, reference):
+    for replica in (rt, meanwhile):
         replica.backward("during", hidden(2, seed=5), hidden(2, seed=6))
     rt.return_part(own)
-    assert_within(gradient_vector(rt.params), gradient_vector(reference.params), 1e-6)
-    assert rt.pending == reference.pending and rt.begin_step().ids == sorted(reference.pending)
+    assert set(rt.pending) == {*own.ids, "during"} and rt.pending_samples == own.samples + 2  # still held
+    retry = rt.begin_step()
+    assert retry.ids == own.ids and retry.samples == own.samples and torch.equal(retry.flat, own.flat)
+    rt.return_part(retry)  # failed again: the next attempt is the same still
+    again = rt.begin_step()
+    assert again.ids == own.ids and torch.equal(again.flat, own.flat)
+    rt.apply_step(again.flat / again.samples, again.samples, group=2, own=again)
+    assert rt.epoch == 1 and rt.pending == {"during": 2} and not rt.aside.parts
+    assert_within(gradient_vector(rt.params), gradient_vector(meanwhile.params), 1e-6)
 
 
-def test_a_part_that_may_be_in_a_step_elsewhere_waits_apart_and_goes_into_the_step_after_this_replicas_next() -> None:
-    """Our own part was reduced, so a member that got every part may have stepped with it: a retry leaves
-    it out, and once this replica has stepped without it, it counts in the next step."""
+def test_a_failed_rounds_part_waits_apart_while_the_replica_steps_alone_and_goes_into_the_step_after() -> None:
+    """The failed round may have succeeded elsewhere (an owner that got every part steps), so a replica
+    that steps alone leaves the part out; once it has stepped without it, the part counts in the next step."""
     rt, meanwhile, aside = twins(3)
     accumulate(rt, seed=4)
     accumulate(aside, seed=4)
     own = rt.begin_step()
     for replica in (rt, meanwhile):
         replica.backward("during", hidden(2, seed=5), hidden(2, seed=6))
-    rt.return_part(own, uncertain=True)
-    assert set(rt.pending) == {*own.ids, "during"}  # still held
-    retry = rt.begin_step()
-    assert retry.ids == ["during"] and retry.samples == 2
-    assert_within(retry.flat, gradient_vector(meanwhile.params), 1e-6)
-    rt.apply_step(retry.flat / 2, 2, group=2, own=retry)
-    assert rt.pending == dict.fromkeys(own.ids, 3) and rt.epoch == 1
+    rt.return_part(own)
+    record = rt.step_alone()
+    assert record.ids == ["during"] and record.samples == 2
+    assert rt.pending == dict.fromkeys(own.ids, 3) and rt.epoch == 1 and not rt.aside.parts
     assert_within(gradient_vector(rt.params), gradient_vector(aside.params), 1e-6)
 
 
@@ -96,7 +102,7 @@ def failed_round(rt):
     own = rt.begin_step()
     for replica in (rt, meanwhile):
         replica.backward("during", hidden(2, seed=12), hidden(2, seed=13))
-    rt.return_part(own, uncertain=True)
+    rt.return_part(own)
     return own, gradient_vector(meanwhile.params)
 
 
@@ -122,13 +128,12 @@ def test_loading_a_step_that_did_not_take_the_part_keeps_it_too() -> None:
 @pytest.mark.parametrize("case", ["two steps on", "a held microbatch in the step", "part of a part in the step"])
 def test_what_cannot_be_told_apart_from_the_loaded_step_is_dropped(case: str) -> None:
     (rt,) = twins(1)
-    own, _ = failed_round(rt)
-    if case == "part of a part in the step":  # a second failed round: "during" and acc14 apart
+    if case == "part of a part in the step":  # the failed round's part holds two microbatches; the step took one
         accumulate(rt, seed=14)
-        rt.return_part(rt.begin_step(), uncertain=True)
+    own, _ = failed_round(rt)
     state = {"two steps on": lambda: ahead_by(2, own.ids),
              "a held microbatch in the step": lambda: ahead_by(1, [*own.ids, "during"]),
-             "part of a part in the step": lambda: ahead_by(1, [*own.ids, "during"])}[case]()
+             "part of a part in the step": lambda: ahead_by(1, own.ids[:1])}[case]()
     held = rt.pending_samples
     assert rt.load_state(*state) == held
     assert rt.pending == {} and not rt.aside.parts and not gradient_vector(rt.params).any()
@@ -190,6 +195,41 @@ def test_a_server_computes_while_its_round_waits_on_the_group_and_steps_on_the_r
         assert record.epoch == 1 and record.ids == [f"{ID['caller']}/r1"]
         assert st.runtime.pending == {f"{ID['caller']}/r2": 2} and st.round_epoch is None
         assert await stepper._sync_round(1, ("QmMe",)) is None  # finishing: no new round
+
+    asyncio.run(scenario())
+
+
+class FailsOnce:
+    """A stage all-reduce whose first round fails after a microbatch came in meanwhile; it records what each
+    attempt sent."""
+
+    def __init__(self, handlers) -> None:
+        self.handlers = handlers
+        self.sent: list[tuple[torch.Tensor, int, list[str]]] = []
+
+    async def run(self, epoch, group, flat, samples, digest, ids, receipts) -> RoundResult:
+        self.sent.append((flat.clone(), samples, list(ids)))
+        if len(self.sent) == 1:
+            await self.handlers.forward(call(req="r2"), last_stage_request(), ID["caller"])
+            raise RoundFailed(f"epoch {epoch}: owners disagree on the samples")
+        return RoundResult(flat / samples, samples, ids)
+
+
+def test_a_servers_retry_sends_the_failed_rounds_part_as_it_was() -> None:
+    async def scenario() -> None:
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(1, gate)
+        await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
+        reduce = FailsOnce(handlers)
+        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, reduce, None, None, None, "", None)
+        with pytest.raises(RoundFailed):
+            await stepper._sync_round(0, ("QmMe", "QmOther"))
+        assert st.runtime.pending_samples == 4  # both microbatches held, toward the retry and the next step
+        record = await stepper._sync_round(0, ("QmMe", "QmOther"))
+        (first, samples, ids), (retried, samples_again, ids_again) = reduce.sent
+        assert torch.equal(first, retried)
+        assert (samples, ids) == (samples_again, ids_again) == (2, [f"{ID['caller']}/r1"])
+        assert record.epoch == 1 and record.ids == ids and st.runtime.pending == {f"{ID['caller']}/r2": 2}
 
     asyncio.run(scenario())
 

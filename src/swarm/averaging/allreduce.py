@@ -14,6 +14,10 @@ epoch differs from its own. The round then fails everywhere and is retried with 
 A contribution arriving before its owner began the round wakes the owner up (via `on_wake`, with the
 proposed group), so the stage steps together instead of waiting for every member to notice the DHT.
 
+A member retries a failed round with the very part it sent before (`swarm.server.gradvec.SetAside`), so
+an owner whose round already reduced that part answers the repeat with its result, as it answers a member
+whose reply was lost; another part from the same member is refused, since the owners' totals would differ.
+
 Each contribution also lists the microbatches the member's gradient holds; owners answer with the
 union, so every member records the same ledger for the step. A microbatch listed by two members (it
 was accumulated twice) is reported: the delivery rules exist to make that impossible.
@@ -127,11 +131,7 @@ class StageAllReduce:
             asyncio.ensure_future(self._exchange(rnd, owner, flat_grad[lo:hi], samples, ids or [], receipts or []))
             for owner, (lo, hi) in zip(group, bounds, strict=True)
         ]
-        try:
-            results = await self._gather_parts(rnd, tasks)
-        except RoundFailed as e:  # our part was reduced and sent: the others may have stepped with it
-            e.maybe_applied = rnd.result is not None
-            raise
+        results = await self._gather_parts(rnd, tasks)
         totals = {(total, tuple(merged)) for _, total, merged in results}
         if len(totals) != 1:
             raise RoundFailed(f"owners disagree on the samples: {sorted(t for t, _ in totals)}")
@@ -274,7 +274,7 @@ class StageAllReduce:
             raise
         done = self._finished.get(c.epoch)
         if done is not None and done.group == c.group and sender in done.contributions and done.result is not None:
-            return self._answer(done.result)  # a repeat of a contribution to a round that completed
+            return self._answer(self._repeated(done, c))  # a repeat of a contribution to a round that completed
         given_up = self._given_up.get(c.epoch)
         if c.epoch not in self._rounds and given_up is not None and given_up.group == c.group:
             raise self._abandoned(given_up)  # no retry with this group: the member it named is in it
@@ -286,7 +286,18 @@ class StageAllReduce:
         await rnd.complete.wait()
         if rnd.result is None:
             raise self._abandoned(rnd)
-        return self._answer(rnd.result)
+        return self._answer(self._repeated(rnd, c))
+
+    @staticmethod
+    def _repeated(rnd: Round, c: Contribution) -> tuple[codecs.Packed, int, list[str]]:
+        """A reduced round's result, for a contribution that is the one it reduced: a member retries a
+        failed round with the same part (`swarm.server.gradvec.SetAside`), and an answer reduced from
+        another part of the member's would make the owners' totals disagree in every retry."""
+        _, samples, ids = rnd.contributions[c.sender]
+        if samples != c.samples or ids != c.ids:
+            raise BadRequest(f"{NOT_READY} the round for epoch {c.epoch} was reduced with another part of "
+                             f"{short(c.sender)}'s ({samples} samples, not {c.samples})")
+        return rnd.result
 
     @staticmethod
     def _abandoned(rnd: Round) -> BadRequest:

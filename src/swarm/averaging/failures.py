@@ -1,5 +1,5 @@
 """How a stage all-reduce round fails on a member, and what each failure says about the group: whom the
-next group should leave out, and whether others may have stepped with this member's part."""
+next group should leave out."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ class RoundFailed(Exception):
         super().__init__(message)
         self.unreachable = unreachable
         self.refused_by = refused_by  # owners that answered our part with a refusal
-        self.maybe_applied = False  # our own part was reduced: a member that got every part may have stepped
 
 
 class RefusedBy(CallFailed):

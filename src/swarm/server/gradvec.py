@@ -63,18 +63,29 @@ def give_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 class SetAside:
-    """The parts of a replica's failed rounds, each held apart from what accumulated after it, until it is
-    known whether a step of the stage took it in. A failed round may have succeeded elsewhere (a slow
-    owner that got every part steps; the members that gave up waiting for it do not), so a retry does
-    not take such a part in again: it goes back into the gradients once this replica has stepped without
-    it (it then counts in the next step, one step old, as the gradients that come in during a round do),
-    or is settled by the ledger of a state loaded one step ahead (`swarm.core.ledger.carry`)."""
+    """The part of a replica's failed round, held apart from what accumulated after it. A retry at the same
+    epoch sends that very part again (`take`), never what came since: owners that reduced it in an earlier
+    attempt answer a repeat with their old result, which holds only if every member's part is the same
+    from one attempt to the next. A failed round may also have succeeded elsewhere (a slow owner that got
+    every part steps; the members that gave up waiting for it do not), so a replica that steps alone, or
+    loads a state, does not take the part in: it goes back into the gradients once this replica has
+    stepped without it (it then counts in the next step, one step old, as the gradients that come in
+    during a round do), or is settled by the ledger of a state loaded one step ahead
+    (`swarm.core.ledger.carry`)."""
 
     def __init__(self) -> None:
         self.parts: list[tuple[torch.Tensor, list[str]]] = []  # (vector, microbatch ids)
 
     def add(self, flat: torch.Tensor, ids: list[str]) -> None:
         self.parts.append((flat, ids))
+
+    def take(self) -> tuple[torch.Tensor, list[str]]:
+        """The parts held, as one part (call only while some are), no longer held apart."""
+        (flat, ids), *more = self.parts
+        for other, other_ids in more:
+            flat, ids = flat + other, ids + other_ids
+        self.parts = []
+        return flat, sorted(ids)
 
     def ids(self) -> set[str]:
         return {req_id for _, ids in self.parts for req_id in ids}

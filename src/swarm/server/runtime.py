@@ -40,7 +40,7 @@ from swarm.core.ledger import Ledger
 from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound, averaged
 from swarm.server.device import autocast_dtype, prepare
-from swarm.server.gradvec import SetAside, give_back, take_vector
+from swarm.server.gradvec import SetAside, take_vector
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
@@ -75,7 +75,7 @@ class StageRuntime:
         self.graph_ttl = graph_ttl
         self.epoch = 0
         self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
-        self.aside = SetAside()  # failed rounds' parts, held apart (see `return_part`)
+        self.aside = SetAside()  # a failed round's part, held apart (see `return_part`)
         self.duplicates = 0  # requests for microbatches already held or committed: not accumulated again
         self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
         self.fast_backwards = 0
@@ -265,16 +265,16 @@ class StageRuntime:
     # ---- the optimizer step ----------------------------------------------------------------------
 
     def begin_step(self) -> StepPart:
-        """This replica's part of a sync round; backwards go on while it runs, into the next step."""
+        """This replica's part of a sync round; backwards go on while it runs, into the next step. After a
+        failed round, the part that round sent, again and alone (see `SetAside`)."""
+        if self.aside.parts:
+            flat, ids = self.aside.take()
+            return StepPart(flat, sum(self.pending[req_id] for req_id in ids), ids)
         return StepPart(take_vector(self.params), *self.aside.outside(self.pending))
 
-    def return_part(self, own: StepPart, uncertain: bool = False) -> None:
-        """A failed round's part goes back beside what came meanwhile, for the next round; or, where the
-        round may have succeeded elsewhere (`uncertain`), it is set aside (see `SetAside`)."""
-        if uncertain:
-            self.aside.add(own.flat, own.ids)
-        else:
-            give_back(self.params, own.flat)
+    def return_part(self, own: StepPart) -> None:
+        """A failed round's part, held apart for the retry (see `SetAside`)."""
+        self.aside.add(own.flat, own.ids)
 
     def _optimizer_step(self) -> float:
         """Clip the gradients in `p.grad`, step at the epoch's warm-up lr, clear them; the pre-clip norm."""

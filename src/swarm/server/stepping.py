@@ -259,8 +259,8 @@ class Stepper:
                 own = await self.gate.run_locked(st.runtime.begin_step)
             try:
                 mean, samples, ids = await self._reduce(epoch, group, own.flat, own.samples, own.ids)
-            except BaseException as e:  # (cancelled too, even twice: the gradients must not be lost)
-                await asyncio.shield(self._return_part(own, isinstance(e, RoundFailed) and e.maybe_applied))
+            except BaseException:  # (cancelled too, even twice: the gradients must not be lost)
+                await asyncio.shield(self._return_part(own))
                 raise
             async with self.gate.lock.urgent():
                 return await self.gate.run_locked(st.runtime.apply_step, mean, samples, len(group), ids, own)
@@ -268,9 +268,9 @@ class Stepper:
             st.round_epoch = None
             self._round_over.set()
 
-    async def _return_part(self, own: StepPart, uncertain: bool) -> None:
+    async def _return_part(self, own: StepPart) -> None:
         async with self.gate.lock.urgent():
-            await self.gate.run_locked(self.stage.runtime.return_part, own, uncertain)
+            await self.gate.run_locked(self.stage.runtime.return_part, own)
 
     async def finish(self) -> None:
         """Start no round; let a sync round under way end, since the stage's other replicas wait on it."""
