@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarm.core.backups import holders_of, may_drop, needs_refresh, plan_entry, stages_to_hold
+from swarm.core.backups import holders_of, may_drop, needs_refresh, plan_entry, stages_to_hold, stragglers
 
 LAYOUT = {0: ["a0", "b0"], 1: ["a1", "b1"], 2: ["a2"]}
 
@@ -27,6 +27,19 @@ def test_a_peer_leaving_moves_only_the_copies_it_held() -> None:
 def test_the_copies_of_a_stage_whose_replicas_died_stay_where_they_were() -> None:
     holders = holders_of(1, LAYOUT, 1)
     assert holders_of(1, {0: LAYOUT[0], 1: [], 2: LAYOUT[2]}, 1) == holders
+
+
+def test_a_straggler_holds_copies_only_where_no_other_server_can() -> None:
+    """A copy costs a server the same bytes whatever its speed: a slow one pays the longest, while its
+    stage's rounds wait on it."""
+    rates = {0: {"a0": 30.0, "b0": 10.0}, 1: {"a1": 12.0, "b1": 9.0}, 2: {"a2": 0.0}}
+    slow = stragglers(rates)
+    assert slow == {"b0"}  # a third of its stage's fastest; b1 is not, and a stage of one has no yardstick
+    for stage in LAYOUT:
+        assert "b0" not in holders_of(stage, LAYOUT, 2, slow)
+    assert holders_of(1, {0: ["b0"], 1: ["a1"]}, 1, slow) == ["b0"]  # the only candidate still holds
+    held = [stages_to_hold(p, LAYOUT, 2, slow) for peers in LAYOUT.values() for p in peers]
+    assert sum(len(h) for h in held) == 2 * len(LAYOUT)
 
 
 def test_a_copy_refreshes_every_few_steps_once_the_stage_has_stepped() -> None:

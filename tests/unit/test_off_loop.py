@@ -9,9 +9,12 @@ import threading
 
 import torch
 from hivemind.proto import runtime_pb2
+from tests.unit.test_allreduce import assert_exact_mean, grads, make_members
 from tests.unit.test_server_parts import ID, call, last_stage_request, served
 from tests.unit.test_servicer_limit import FakeContext, FakeId
 
+from swarm.averaging import allreduce, checks
+from swarm.net import protocol
 from swarm.net.protocol import Tagged, decode, encode
 from swarm.net.servicer import StageServicer
 from swarm.server import handlers as handlers_module
@@ -83,3 +86,50 @@ def test_a_servers_checks_on_tensors_run_off_its_event_loop(monkeypatch) -> None
     loop_thread = asyncio.run(scenario())
     assert len(checked) >= 4 and len(normed) == 1  # inputs and targets; inputs (evaluate, backward) and gradients
     assert loop_thread not in checked + normed
+
+
+def test_an_all_reduce_round_checks_reduces_and_unpacks_whole_parts_off_the_event_loop(monkeypatch) -> None:
+    """On a slow machine, a stage's whole part summed, packed and checked on the event loop kept it from
+    renewing its records for seconds: its peers took it for gone."""
+    reduced = spy(monkeypatch, allreduce.StageAllReduce, "_reduce")
+    answers = spy(monkeypatch, allreduce, "answer_problem")
+    unpacked = spy(monkeypatch, codecs, "decode")
+    parsed: list[int] = []
+    parse = checks.Contribution.parse
+
+    def recorded(*args, **kwargs):
+        parsed.append(threading.get_ident())
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(checks.Contribution, "parse", recorded)
+    ids = ("peerA", "peerB")
+    samples = {"peerA": 2, "peerB": 3}
+    flat = grads(samples, 1000)
+    members = make_members(ids)
+
+    async def scenario() -> tuple[int, list]:
+        results = await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids))
+        return threading.get_ident(), results
+
+    loop_thread, results = asyncio.run(scenario())
+    assert_exact_mean(results, flat, samples)
+    assert len(reduced) == 2 and len(answers) == 4 and len(parsed) == 4 and unpacked
+    assert loop_thread not in reduced + answers + parsed + unpacked
+
+
+def test_a_large_payload_is_put_together_off_the_event_loop(monkeypatch) -> None:
+    joined = spy(monkeypatch, protocol, "_collect")
+
+    async def received(numel: int) -> int:
+        async def stream():
+            for msg in encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(numel)], Policy({})):
+                yield msg
+        meta, [tensor] = await decode(stream(), 1 << 30)
+        assert tensor.numel() == numel
+        return threading.get_ident()
+
+    small_loop = asyncio.run(received(1000))
+    assert joined == [small_loop]  # a thread hop would cost more than the copy
+    joined.clear()
+    large_loop = asyncio.run(received(3 << 20))  # 12 MiB in three chunks
+    assert len(joined) == 1 and joined[0] != large_loop

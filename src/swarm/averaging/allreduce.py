@@ -141,7 +141,8 @@ class StageAllReduce:
             for old in [e for e in kept if e < epoch - 2]:
                 del kept[old]
         total, merged = totals.pop()
-        return RoundResult(torch.cat([part for part, _, _ in results]), total, list(merged))
+        mean = await asyncio.to_thread(torch.cat, [part for part, _, _ in results])
+        return RoundResult(mean, total, list(merged))
 
     async def _gather_parts(self, rnd: Round, tasks: list[asyncio.Future]
                             ) -> list[tuple[torch.Tensor, int, list[str]]]:
@@ -221,7 +222,7 @@ class StageAllReduce:
         }
         if owner == self.own_id:
             reply, (answer,) = await self.contribute(meta, [part], self.own_id)
-            tensors = [codecs.decode(answer.value)]  # the very bits the other members decode
+            tensors = [await asyncio.to_thread(codecs.decode, answer.value)]  # the bits the others decode
         else:
             # contributing is idempotent, so a call whose reply was lost is simply made again; an owner
             # that no call reaches has most likely died, and the round fails now rather than at its timeout
@@ -240,15 +241,15 @@ class StageAllReduce:
                         raise Unreachable(owner, e) from e
                     log.info("reduce call to %s failed (%s); calling again", short(owner), e)
                     await asyncio.sleep(0.1)
-        return self._check_answer(rnd, owner, part.numel(), reply, tensors)
+        return await self._check_answer(rnd, owner, part.numel(), reply, tensors)
 
-    def _check_answer(self, rnd: Round, owner: str, size: int, reply: dict[str, Any], tensors: list[torch.Tensor]
-                      ) -> tuple[torch.Tensor, int, list[str]]:
+    async def _check_answer(self, rnd: Round, owner: str, size: int, reply: dict[str, Any],
+                            tensors: list[torch.Tensor]) -> tuple[torch.Tensor, int, list[str]]:
         """An owner's answer, as every member checks it before it is used: one finite float32 part of the
         size asked for, within the bound a mean of bounded contributions cannot exceed, and a sample count
         and id list of the right kinds. An owner that answers otherwise is left out of the next groups."""
         samples, ids = reply.get("samples"), reply.get("ids", [])
-        problem = answer_problem(tensors, size, samples, ids, self.bounds.max_norm_per_sample)
+        problem = await asyncio.to_thread(answer_problem, tensors, size, samples, ids, self.bounds.max_norm_per_sample)
         if problem is not None:
             rnd.poison_named.add(owner)
             raise RoundFailed(f"owner {short(owner)} answered with {problem}", frozenset({owner}))
@@ -259,8 +260,8 @@ class StageAllReduce:
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """Owner side: take one member's part, answer with the reduced part once all are in. A poisoned
         part (not finite, or over the bounds) ends this owner's round at once: its result would be poison."""
-        try:
-            c = Contribution.parse(meta, tensors, sender, self.bounds)
+        try:  # (a whole part's checks, and its reduction below, run off the event loop: see `_reduce`)
+            c = await asyncio.to_thread(Contribution.parse, meta, tensors, sender, self.bounds)
             if self.bounds.receipts and len(c.ids) <= RECEIPTS_INLINE:
                 check_receipts(meta.get("receipts"), c, self.stage)
             elif self.bounds.receipts:  # a long list is checked off the event loop
@@ -279,10 +280,14 @@ class StageAllReduce:
         if c.epoch not in self._rounds and given_up is not None and given_up.group == c.group:
             raise self._abandoned(given_up)  # no retry with this group: the member it named is in it
         rnd = await self._round_for(c)
-        if rnd.result is None:  # once reduced, a round's answer never changes
+        if rnd.result is None and not rnd.reducing:  # once reduced, a round's answer never changes
             rnd.contributions[sender] = (c.part, c.samples, c.ids)
             if len(rnd.contributions) == len(rnd.group):
-                self._reduce(rnd, c.epoch)
+                rnd.reducing = True
+                result = await asyncio.to_thread(self._reduce, rnd)
+                if not rnd.complete.is_set():  # (else the round was abandoned meanwhile)
+                    rnd.result = result
+                    rnd.complete.set()
         await rnd.complete.wait()
         if rnd.result is None:
             raise self._abandoned(rnd)
@@ -330,9 +335,12 @@ class StageAllReduce:
             raise BadRequest(f"part has {c.part.numel()} {c.part.dtype} values, expected {rnd.size} float32")
         return rnd
 
-    def _reduce(self, rnd: Round, epoch: int) -> None:
+    def _reduce(self, rnd: Round) -> tuple[codecs.Packed, int, list[str]]:
         """Sum the members' parts in the group's order (the same bits whoever computes it), divide by the
-        group's samples, pack once; merge the members' microbatch lists."""
+        group's samples, pack once; merge the members' microbatch lists. On a worker thread: on a slow
+        machine, summing and packing a whole part on the event loop kept it from renewing the server's
+        records for seconds, and its peers took it for gone."""
+        epoch = rnd.epoch
         total_samples = sum(n for _, n, _ in rnd.contributions.values())
         scales, cap = self.bounds.clip_scales(rnd.contributions)
         if any(s < 1.0 for s in scales.values()):
@@ -347,8 +355,7 @@ class StageAllReduce:
         if twice:
             log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
                       ", ".join(twice[:5]))
-        rnd.result = (self.client.policy.pack("allreduce", mean), total_samples, merged)
-        rnd.complete.set()
+        return self.client.policy.pack("allreduce", mean), total_samples, merged
 
     @staticmethod
     def _answer(result: tuple[codecs.Packed, int, list[str]]) -> tuple[dict[str, Any], list[Tagged]]:

@@ -37,6 +37,7 @@ class Round:
     contributions: dict[str, tuple[torch.Tensor, int, list[str]]] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
     result: tuple[codecs.Packed, int, list[str]] | None = None
+    reducing: bool = False  # every part came, and the reduction is under way
     poisoned: set[str] = field(default_factory=set)  # members whose contribution was refused as poison
     # owners whose answer to our part was refused as poison, or that said their own part was poison
     poison_named: set[str] = field(default_factory=set)

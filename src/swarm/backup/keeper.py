@@ -2,7 +2,7 @@
 together (one provider's preemption wave) comes back at most `backup.every` steps behind.
 
 A holder pulls: it reads the swarm's layout from the DHT, works out which stages it holds (rendezvous
-hashing, `swarm.core.backups`), and downloads a stage's state from its most advanced replica once the
+hashing, stragglers last: `swarm.core.backups`), and downloads a stage's state from its most advanced replica once the
 stage is `every` steps past its copy, over the same streamed, exact `state` call a newcomer uses; like a
 newcomer, it keeps the state only where the stage's other replicas vouch for its digest
 (`swarm.core.vouching`). The stage's step loop never waits for it: the replica lends its tensors to the
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from swarm.config import BackupConfig, NetConfig
-from swarm.core.backups import may_drop, needs_refresh, stages_to_hold
+from swarm.core.backups import may_drop, needs_refresh, stages_to_hold, stragglers
 from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -108,7 +108,8 @@ class BackupKeeper:
         peers = {k: [r.peer_id for r in records if r.peer_id != self.me] for k, records in layout.items()}
         if own is not None:
             peers.setdefault(own, []).append(self.me)
-        return stages_to_hold(self.me, peers, self.cfg.holders) - {own}
+        slow = stragglers({k: {r.peer_id: r.throughput for r in records} for k, records in layout.items()})
+        return stages_to_hold(self.me, peers, self.cfg.holders, slow) - {own}
 
     async def _refresh(self, stage: int, records: list[ServerRecord]) -> None:
         for source in sorted(records, key=lambda r: -r.epoch):

@@ -4,6 +4,8 @@ entering a stage does when no replica of it is alive.
 Copies are spread by rendezvous hashing: every peer ranks the candidates for a stage by a hash of
 (stage, peer id) and the first `holders` hold it. Each peer computes this from the same DHT listing,
 so no coordination is needed, and a peer joining or leaving moves only the copies it is ranked for.
+Stragglers rank after every other candidate: a copy's download costs a server the same bytes whatever
+its speed, so it takes a slow one longest, while its stage's rounds wait on it.
 """
 
 from __future__ import annotations
@@ -16,16 +18,31 @@ def rank(stage: int, peer_id: str) -> str:
     return hashlib.sha256(f"{stage}/{peer_id}".encode()).hexdigest()
 
 
-def holders_of(stage: int, layout: dict[int, list[str]], holders: int) -> list[str]:
+STRAGGLER = 0.5  # a server computing under this fraction of its stage's fastest replica's rate is a straggler
+
+
+def stragglers(rates: dict[int, dict[str, float]]) -> set[str]:
+    """The servers under STRAGGLER of the throughput of their stage's fastest replica, from the rates
+    (samples per second of compute) their records announce. Rates, not the work routed to them: a
+    server's stage is the only fair yardstick, as stages differ in cost."""
+    slow: set[str] = set()
+    for peers in rates.values():
+        fastest = max(peers.values(), default=0.0)
+        slow |= {peer for peer, rate in peers.items() if rate < STRAGGLER * fastest}
+    return slow
+
+
+def holders_of(stage: int, layout: dict[int, list[str]], holders: int, slow: set[str] | None = None) -> list[str]:
     """The servers that hold a copy of `stage`: the first `holders` by rank among the servers of every
-    other stage (a stage's own servers would die with it in the failures copies are for)."""
+    other stage (a stage's own servers would die with it in the failures copies are for), the `slow`
+    ones after all the others."""
     candidates = {p for k, peers in layout.items() if k != stage for p in peers}
-    return sorted(candidates, key=lambda p: rank(stage, p))[:holders]
+    return sorted(candidates, key=lambda p: (p in (slow or ()), rank(stage, p)))[:holders]
 
 
-def stages_to_hold(me: str, layout: dict[int, list[str]], holders: int) -> set[int]:
+def stages_to_hold(me: str, layout: dict[int, list[str]], holders: int, slow: set[str] | None = None) -> set[int]:
     """The stages whose copy this server holds, given every stage's servers (`layout`)."""
-    return {stage for stage in layout if me in holders_of(stage, layout, holders)}
+    return {stage for stage in layout if me in holders_of(stage, layout, holders, slow)}
 
 
 def needs_refresh(held: int | None, stage_epoch: int, every: int) -> bool:

@@ -41,6 +41,7 @@ CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024  # a little under the 4 MiB cap, leavi
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # a stream message declaring more is cut off before it is read
 MAX_TENSORS = 1 << 14  # tensors (and raw parts) one payload may carry: a stage's state has a few per layer
 INLINE_META_BYTES = 32 * 1024  # metadata up to this size shares the first message with a tensor part
+INLINE_BYTES = 1 << 20  # payloads up to this size are put together on the event loop (a thread hop costs more)
 WIRE_KEY = "_wire"  # the metadata entry that describes the tensors
 META_ROLE = "meta"  # where the bytes of the metadata itself are counted
 Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
@@ -149,9 +150,7 @@ async def receive(
     """`decode` up to the codecs: the payload read, checked against its limit and its description, and
     counted; its tensors still packed."""
     meta: dict[str, Any] | None = None
-    raw: list[torch.Tensor] = []
-    sizes: list[int] = []  # bytes of each raw part, for the accounting
-    current: list[runtime_pb2.Tensor] = []
+    chunked: list[list[runtime_pb2.Tensor]] = []  # the chunks of each raw part
     total = 0
     async for msg in stream:  # an error of the stream itself (peer or connection failed) propagates as is
         with _garbage_is_bad_request():
@@ -167,15 +166,13 @@ async def receive(
                 total += len(part.buffer)
                 if total > max_bytes:
                     raise BadRequest(f"payload exceeds the limit of {max_bytes / 2**20:.1f} MiB")
-                if part.dtype and current:
-                    _collect(current, raw, sizes)
-                    current = []
-                    if len(raw) >= MAX_TENSORS:
+                if part.dtype or not chunked:  # (a part's first chunk says its dtype and shape)
+                    if len(chunked) >= MAX_TENSORS:
                         raise BadRequest(f"payload carries more than {MAX_TENSORS} tensor parts")
-                current.append(part)
-    with _garbage_is_bad_request():
-        if current:
-            _collect(current, raw, sizes)
+                    chunked.append([])
+                chunked[-1].append(part)
+    # joining a large payload's chunks into tensors is copying megabytes: not on the event loop
+    raw, sizes = await asyncio.to_thread(_collect, chunked) if total > INLINE_BYTES else _collect(chunked)
     if meta is None:
         raise BadRequest("empty stream: the other side closed it before sending anything")
     if not isinstance(meta, dict):
@@ -224,10 +221,11 @@ def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     )
 
 
-def _collect(parts: list[runtime_pb2.Tensor], raw: list[torch.Tensor], sizes: list[int]) -> None:
-    proto = combine_from_streaming(parts)
-    raw.append(_deserialize(proto))
-    sizes.append(len(proto.buffer))
+def _collect(chunked: list[list[runtime_pb2.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+    """The raw parts the chunks make up, and the bytes of each (for the accounting)."""
+    with _garbage_is_bad_request():
+        protos = [combine_from_streaming(chunks) for chunks in chunked]
+        return [_deserialize(proto) for proto in protos], [len(proto.buffer) for proto in protos]
 
 
 def _deserialize(proto: runtime_pb2.Tensor) -> torch.Tensor:
