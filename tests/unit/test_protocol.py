@@ -44,6 +44,7 @@ def test_round_trip_of_metadata_and_mixed_tensors() -> None:
         torch.tensor([True, False, True]),
         torch.tensor(2.5),  # 0-dim
         torch.randn(4, 3, generator=gen).t(),  # not contiguous
+        torch.zeros(0, 5),  # empty
     ]
     meta = {"epoch": 3, "request": "abc", "group": ["p1", "p2"], "nested": {"k": [1.5, None]}}
     messages = list(encode(runtime_pb2.ExpertRequest, meta, tensors))

@@ -6,6 +6,7 @@ alone in its round steps where its gradients lie (`step_alone`), to the same wei
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from swarm.core.ledger import carry
 from swarm.model import load_stages
 from swarm.server.gate import ComputeGate
 from swarm.server.gradvec import gradient_vector
-from swarm.server.stepping import Stepper
+from swarm.server.stepping import LOOK_EVERY, Stepper
 
 
 def twins(n: int = 2):
@@ -262,3 +263,33 @@ def test_a_round_of_one_holds_the_gate_and_needs_no_all_reduce() -> None:
         assert st.runtime.pending == {} and st.round_epoch is None
 
     asyncio.run(scenario())
+
+
+class _Trainers:
+    """A directory whose trainer records are read and counted."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def trainers(self) -> list[str]:
+        self.reads += 1
+        return ["a trainer"]
+
+
+def test_a_replica_that_saw_no_trainer_reads_again_at_its_next_look() -> None:
+    """A replica alone steps only while it sees a trainer, and one whose first step fell due before the
+    trainer's record was read waited out a grace more: with none in view, the records are read at every
+    look; with one, once per announcement period."""
+    async def scenario() -> list[int]:
+        _, st = served(1, ComputeGate(1.0, False))
+        directory = _Trainers()
+        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, None, directory, None, None, None, None, "", None)
+        reads = []
+        for seen in ([], ["a trainer"]):
+            stepper._trainers_read = (time.monotonic() - LOOK_EVERY, seen)
+            await stepper._trainers()
+            reads.append(directory.reads)
+        return reads
+
+    assert LOOK_EVERY < CFG.net.announce_period
+    assert asyncio.run(scenario()) == [1, 1]

@@ -27,7 +27,7 @@ import torch
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.net.quiet import Quiet
 from swarm.wire import codecs
@@ -95,7 +95,7 @@ def encode(
         first = False
     for role, pack in packs:
         for raw in pack.parts:
-            for part in split_for_streaming(_serialize(raw), CHUNK_BYTES):
+            for part in _chunks(raw):
                 if traffic is not None:
                     traffic.add(role, "sent", len(part.buffer))
                 msg = cls(tensors=[part])
@@ -113,7 +113,7 @@ async def packed(tensors: Sequence[Item], policy: codecs.Policy) -> list[Item]:
     `encode` then only frames the bytes."""
     if all(isinstance(t, Tagged) and isinstance(t.value, codecs.Packed) for t in tensors):
         return list(tensors)
-    return await asyncio.to_thread(lambda: [Tagged(*_pack(item, policy)) for item in tensors])
+    return await asyncio.to_thread(lambda: [_packed_on_host(item, policy) for item in tensors])
 
 
 @dataclass
@@ -188,6 +188,12 @@ def _pack(item: Item, policy: codecs.Policy) -> tuple[str, codecs.Packed]:
     return item.role, policy.pack(item.role, item.value)
 
 
+def _packed_on_host(item: Item, policy: codecs.Policy) -> Tagged:
+    """`_pack`, its parts copied to the host (a state on a GPU travels exact: only the copy is left)."""
+    role, pack = _pack(item, policy)
+    return Tagged(role, codecs.Packed(pack.meta, [_on_host(part) for part in pack.parts]))
+
+
 def _packs(
     wire: Any, raw: list[torch.Tensor], sizes: list[int], traffic: Traffic | None
 ) -> list[codecs.Packed]:
@@ -212,13 +218,21 @@ def _packs(
     return packs
 
 
-def _serialize(tensor: torch.Tensor) -> runtime_pb2.Tensor:
-    tensor = tensor.detach().contiguous().cpu()
-    return runtime_pb2.Tensor(
-        buffer=tensor.reshape(-1).view(torch.uint8).numpy().tobytes(),
-        size=list(tensor.shape),
-        dtype=codecs.dtype_name(tensor.dtype),
-    )
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().cpu()
+
+
+def _chunks(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
+    """A raw part's bytes in messages of CHUNK_BYTES, each copied out of the tensor as it is sent: a
+    state's tensors are hundreds of MiB, and copying one whole before the first chunk left kept the event
+    loop (and its DHT renewals) from running for that long. The first chunk says the dtype and shape."""
+    tensor = _on_host(tensor)  # (already there when `packed` prepared the items: see `_pack`)
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+    first = runtime_pb2.Tensor(buffer=data[:CHUNK_BYTES].tobytes(), size=list(tensor.shape),
+                               dtype=codecs.dtype_name(tensor.dtype))
+    yield first
+    for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
+        yield runtime_pb2.Tensor(buffer=data[start:start + CHUNK_BYTES].tobytes())
 
 
 def _collect(chunked: list[list[runtime_pb2.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:

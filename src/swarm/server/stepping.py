@@ -187,7 +187,9 @@ class Stepper:
         """The trainers in view, read at most once per announcement period: the plan needs them only at
         the end of a run or when a replica is alone, and the step loop looks several times a second."""
         now = time.monotonic()
-        if now - self._trainers_read[0] >= self.net.announce_period:
+        # while none is in view, as often as the records: a replica alone steps only once it sees one
+        every = self.net.announce_period if self._trainers_read[1] else LOOK_EVERY
+        if now - self._trainers_read[0] >= every:
             self._trainers_read = (now, await self.directory.trainers())
         return self._trainers_read[1]
 

@@ -126,6 +126,9 @@ class Trainer:
     async def _train(self) -> None:
         await self.view.refresh(self.directory)
         self._check_config()
+        # in the servers' view before its first microbatch: a replica alone in its stage steps only while
+        # it sees a trainer, and one that saw none when its first step was due waited out a grace more
+        await self._announce()
         loops = {"view": self._refresh_loop, "delivery": self.keeper.loop,
                  "progress": lambda: self.progress.loop(short(self.peer_id)), "lease": self.feed.loop}
         if self.tc.eval_every:
