@@ -37,6 +37,7 @@ from swarm.ops.cpushare import quota_cores
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.batching import Batcher
+from swarm.server.calibration import calibrate
 from swarm.server.gate import ComputeGate
 from swarm.server.handlers import StageHandlers
 from swarm.server.moving import Mover, least_served_stage
@@ -204,6 +205,7 @@ class StageServer:
         if not await take_stage_state(st, transfer, peer.directory, self.hash, cfg.model.num_stages,
                                       cfg.server.fresh_start, self.stop):
             return None
+        await calibrate(st, gate, cfg.trainer.microbatch_size, cfg.model.vocab_size)
         st.serving = True
         log.info("stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
                  index, self.label, " ".join(visible_addresses(peer.dht)), st.runtime.epoch, cfg.server.device)

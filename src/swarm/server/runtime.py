@@ -111,20 +111,20 @@ class StageRuntime:
 
     # ---- compute -------------------------------------------------------------------------------
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.autocast_dtype is None else torch.autocast(
             self.device.type, dtype=self.autocast_dtype)
 
-    def _leaf(self, x: torch.Tensor) -> torch.Tensor:
+    def leaf(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.device)
         return x if self.is_first else x.detach().float().requires_grad_(True)
 
     def forward(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Run several requests as one batch; keep the graph for each request's backward."""
         self.evict_stale_graphs()
-        inputs = self._leaf(torch.cat([x for _, x in requests]))
+        inputs = self.leaf(torch.cat([x for _, x in requests]))
         stash = None
-        with self._autocast():
+        with self.autocast():
             if self.asynchronous:
                 live = zip(self.param_names, self.params, strict=True)
                 stash = {n: p.detach().clone().requires_grad_(True) for n, p in live}
@@ -148,8 +148,8 @@ class StageRuntime:
         accumulate = accumulate and self.accumulates(req_id)
         if not accumulate:
             self.duplicates += 1
-        inputs = self._leaf(x)
-        with self._autocast(), torch.set_grad_enabled(accumulate or not self.is_first):
+        inputs = self.leaf(x)
+        with self.autocast(), torch.set_grad_enabled(accumulate or not self.is_first):
             loss = self.module(inputs, targets.to(self.device))
         scaled = loss.float() * x.shape[0]
         if accumulate:
@@ -166,8 +166,8 @@ class StageRuntime:
         off. The last stage returns its loss, the others their outputs."""
         training = self.module.training
         try:
-            with torch.no_grad(), self._autocast():
-                out = self.module.eval()(self._leaf(x), *([] if targets is None else [targets.to(self.device)]))
+            with torch.no_grad(), self.autocast():
+                out = self.module.eval()(self.leaf(x), *([] if targets is None else [targets.to(self.device)]))
         finally:
             self.module.train(training)
         return on_host(self.wire, "activations", out) if targets is None else float(out)
@@ -197,8 +197,8 @@ class StageRuntime:
         if not (accumulate and self.accumulates(req_id)):
             self.duplicates += 1
             return self._input_grad(x, grad_out)
-        inputs = self._leaf(x)
-        with self._autocast():
+        inputs = self.leaf(x)
+        with self.autocast():
             outputs = self.module(inputs)
         outputs.backward(grad_out.to(self.device))
         self.recomputed_backwards += 1
@@ -210,8 +210,8 @@ class StageRuntime:
         """d(loss)/d(inputs) alone, leaving parameter gradients untouched (stage 0 has none to give)."""
         if self.is_first:
             return None
-        inputs = self._leaf(x)
-        with self._autocast():
+        inputs = self.leaf(x)
+        with self.autocast():
             outputs = self.module(inputs)
         grad = torch.autograd.grad(outputs, inputs, grad_out.to(self.device).to(outputs.dtype))[0]
         return on_host(self.wire, "gradients", grad)
