@@ -163,6 +163,16 @@ def test_a_microbatch_replayed_here_while_a_groupmate_stepped_it_keeps_its_recei
     assert rt.book.receipts_for(["replayed"]) == [[2, "receipt-of-replayed"]]
     assert all(receipt == "" for _, receipt in rt.book.receipts_for(own.ids))  # stepped: forgotten
 
+async def holding_r1(reduce_of=lambda handlers: None):
+    """A last-stage server that accumulated microbatch r1, and its step loop over `reduce_of(handlers)`."""
+    gate = ComputeGate(1.0, False)
+    handlers, st = served(1, gate)
+    await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
+    reduce = reduce_of(handlers)
+    return handlers, st, reduce, Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, reduce, None, None, None,
+                                         "", None)
+
+
 class HeldReduce:
     """A stage all-reduce whose other member answers only once `release` is set."""
 
@@ -177,11 +187,7 @@ class HeldReduce:
 
 def test_a_server_computes_while_its_round_waits_on_the_group_and_steps_on_the_round_alone() -> None:
     async def scenario() -> None:
-        gate = ComputeGate(1.0, False)
-        handlers, st = served(1, gate)
-        await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
-        reduce = HeldReduce()
-        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, reduce, None, None, None, "", None)
+        handlers, st, reduce, stepper = await holding_r1(lambda _: HeldReduce())
         round_ = asyncio.create_task(stepper._sync_round(0, ("QmMe", "QmOther")))
         await asyncio.wait_for(reduce.started.wait(), 5.0)
         # the round waits on its group, and the gate serves a new microbatch meanwhile
@@ -218,11 +224,7 @@ class FailsOnce:
 
 def test_a_servers_retry_sends_the_failed_rounds_part_as_it_was() -> None:
     async def scenario() -> None:
-        gate = ComputeGate(1.0, False)
-        handlers, st = served(1, gate)
-        await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
-        reduce = FailsOnce(handlers)
-        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, reduce, None, None, None, "", None)
+        _, st, reduce, stepper = await holding_r1(FailsOnce)
         with pytest.raises(RoundFailed):
             await stepper._sync_round(0, ("QmMe", "QmOther"))
         assert st.runtime.pending_samples == 4  # both microbatches held, toward the retry and the next step
@@ -254,10 +256,7 @@ def test_a_replica_alone_steps_in_place_to_the_weights_a_round_of_one_gives() ->
 
 def test_a_round_of_one_holds_the_gate_and_needs_no_all_reduce() -> None:
     async def scenario() -> None:
-        gate = ComputeGate(1.0, False)
-        handlers, st = served(1, gate)
-        await handlers.forward(call(req="r1"), last_stage_request(), ID["caller"])
-        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, gate, None, None, None, None, None, "", None)
+        _, st, _, stepper = await holding_r1()
         record = await stepper._sync_round(0, ("QmMe",))
         assert record.epoch == 1 and record.group == 1 and record.ids == [f"{ID['caller']}/r1"]
         assert st.runtime.pending == {} and st.round_epoch is None
