@@ -340,7 +340,6 @@ class StageAllReduce:
         group's samples, pack once; merge the members' microbatch lists. On a worker thread: on a slow
         machine, summing and packing a whole part on the event loop kept it from renewing the server's
         records for seconds, and its peers took it for gone."""
-        epoch = rnd.epoch
         total_samples = sum(n for _, n, _ in rnd.contributions.values())
         scales, cap = self.bounds.clip_scales(rnd.contributions)
         if any(s < 1.0 for s in scales.values()):
@@ -353,7 +352,7 @@ class StageAllReduce:
         mean.div_(max(total_samples, 1))
         merged, twice = merge_ids([rnd.contributions[m][2] for m in rnd.group])
         if twice:
-            log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, epoch,
+            log.error("stage %d epoch %d: microbatches accumulated by two replicas: %s", self.stage, rnd.epoch,
                       ", ".join(twice[:5]))
         return self.client.policy.pack("allreduce", mean), total_samples, merged
 

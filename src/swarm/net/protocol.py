@@ -228,9 +228,8 @@ def _chunks(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
     loop (and its DHT renewals) from running for that long. The first chunk says the dtype and shape."""
     tensor = _on_host(tensor)  # (already there when `packed` prepared the items: see `_pack`)
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-    first = runtime_pb2.Tensor(buffer=data[:CHUNK_BYTES].tobytes(), size=list(tensor.shape),
-                               dtype=codecs.dtype_name(tensor.dtype))
-    yield first
+    yield runtime_pb2.Tensor(buffer=data[:CHUNK_BYTES].tobytes(), size=list(tensor.shape),
+                             dtype=codecs.dtype_name(tensor.dtype))
     for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
         yield runtime_pb2.Tensor(buffer=data[start:start + CHUNK_BYTES].tobytes())
 

@@ -54,13 +54,6 @@ def trial_backward(rt: StageRuntime, inputs: torch.Tensor, out: torch.Tensor) ->
     _finish(rt)
 
 
-def trial(rt: StageRuntime, x: torch.Tensor, targets: torch.Tensor | None) -> None:
-    """Both passes, untimed."""
-    inputs, out = trial_forward(rt, x, targets)
-    if targets is None:
-        trial_backward(rt, inputs, out)
-
-
 def _finish(rt: StageRuntime) -> None:
     if rt.device.type == "cuda":  # kernels run asynchronously: the time is the device's
         torch.cuda.synchronize(rt.device)
@@ -69,11 +62,13 @@ def _finish(rt: StageRuntime) -> None:
 async def calibrate(st: ServedStage, gate: ComputeGate, samples: int, vocab_size: int) -> float:
     """Time one made-up microbatch of `samples` and fold it into the stage's rate; the rate."""
     x, targets = made_up_batch(st, samples, vocab_size)
-    if st.runtime.device.type == "cuda":  # its first pass pays one-off costs (kernels chosen, handles made)
-        await gate.run(trial, st.runtime, x, targets)
-    inputs, out = await gate.run(trial_forward, st.runtime, x, targets, work="forward", samples=samples)
-    if targets is None:
-        await gate.run(trial_backward, st.runtime, inputs, out, work="backward", samples=samples)
+    # on a GPU the first passes pay one-off costs (kernels chosen, handles made): they go uncounted
+    for counted in (False, True) if st.runtime.device.type == "cuda" else (True,):
+        inputs, out = await gate.run(trial_forward, st.runtime, x, targets, work="forward" if counted else None,
+                                     samples=samples)
+        if targets is None:
+            await gate.run(trial_backward, st.runtime, inputs, out, work="backward" if counted else None,
+                           samples=samples)
     st.work.fold(0.0)
     rate = st.work.meter.rate
     log.info("stage %d server %s: %.2f samples/s on a made-up microbatch of %d, until served work says more",

@@ -80,12 +80,11 @@ class SetAside:
         self.parts.append((flat, ids))
 
     def take(self) -> tuple[torch.Tensor, list[str]]:
-        """The parts held, as one part (call only while some are), no longer held apart."""
-        (flat, ids), *more = self.parts
-        for other, other_ids in more:
-            flat, ids = flat + other, ids + other_ids
+        """The part held, no longer held apart. There is one at most: a retry takes it, and its failure
+        returns it; a step without it, or a loaded state, settles it."""
+        ((flat, ids),) = self.parts
         self.parts = []
-        return flat, sorted(ids)
+        return flat, ids
 
     def ids(self) -> set[str]:
         return {req_id for _, ids in self.parts for req_id in ids}
