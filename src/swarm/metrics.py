@@ -51,6 +51,7 @@ RECORD_METRICS: dict[str, tuple[str, bool, str]] = {
 COUNTER_HELP = {
     "refused": "requests refused by its checks (malformed, oversized or out-of-bounds tensors, other settings)",
     "stale_refusals": "requests refused because this replica was behind its stage's epoch",
+    "busy_refusals": "forwards turned away because the work queued ahead would outlast their callers' timeouts",
     "failed_rounds": "all-reduce rounds that failed and were retried",
     "catch_ups": "downloads of its stage's state to catch up with its replicas",
     "lost_samples": "unstepped samples it dropped (their trainers accumulate them again elsewhere)",

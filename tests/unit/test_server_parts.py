@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 import pytest
@@ -134,6 +135,67 @@ def test_the_gate_drops_requests_whose_caller_gave_up_while_they_queued():
             await gate.run(ran.append, 2, expires=Deadline(wall=time.time() - 1))  # a frozen server's backlog
         await gate.run(ran.append, 3, expires=Deadline(time.monotonic() + 60, time.time() + 60))
         assert ran == [3] and gate.queued == 0
+        gate.close()
+    run(scenario())
+
+
+async def _hold_thread(gate: ComputeGate, samples: int) -> tuple[asyncio.Task, threading.Event]:
+    """A forward of `samples` samples on the gate's thread until the event is set; returns once it runs."""
+    release, running = threading.Event(), threading.Event()
+
+    def job():
+        running.set()
+        release.wait(30)
+
+    task = asyncio.create_task(gate.run(job, work="forward", samples=samples))
+    await asyncio.to_thread(running.wait, 30)
+    return task, release
+
+
+def test_a_forward_that_would_outwait_its_callers_timeout_is_turned_away_at_once():
+    """A forward is refused as busy when the work ahead of it (priced at the gate's recent timings) would
+    outlast its caller's timeout, and taken when the caller waits long enough; behind an empty queue it
+    is taken even with a timeout shorter than the work."""
+    async def scenario():
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(1, gate)
+        await gate.run(time.sleep, 0.2, work="forward", samples=1)  # about 0.2 s a sample
+        await handlers.forward(call(req="alone", timeout=0.01), last_stage_request(), ID["caller"])
+        holder, release = await _hold_thread(gate, samples=100)  # about 20 s of work in progress
+        with pytest.raises(Unavailable, match=r"busy: about \d+s of work queued ahead, past the call.s 5s timeout"):
+            await handlers.forward(call(req="hurried", timeout=5.0), last_stage_request(), ID["caller"])
+        assert st.counters["busy_refusals"] == 1 and st.runtime.pending_samples == 2 and gate.queued == 0
+        patient = asyncio.create_task(
+            handlers.forward(call(req="patient", timeout=60.0), last_stage_request(), ID["caller"]))
+        while gate.queued == 0:
+            await asyncio.sleep(0.01)
+        release.set()
+        await holder
+        meta, _ = await patient
+        assert "loss" in meta and st.runtime.pending_samples == 4 and st.counters["busy_refusals"] == 1
+        gate.close()
+    run(scenario())
+
+
+def test_a_queued_forward_whose_caller_gave_up_is_answered_as_expired_and_not_computed():
+    async def scenario():
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(0, gate)
+        batcher = asyncio.create_task(handlers.batcher.loop())
+        holder, release = await _hold_thread(gate, samples=1)
+        ids = torch.randint(0, 256, (2, 16))
+        late = asyncio.create_task(handlers.forward(call(stage=0, req="late", deadline=time.time() - 1), [ids],
+                                                    ID["caller"]))
+        on_time = asyncio.create_task(handlers.forward(call(stage=0, req="on time"), [ids], ID["caller"]))
+        while gate.queued < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        await holder
+        with pytest.raises(Unavailable, match="expired while it queued"):
+            await late
+        await on_time
+        assert set(st.runtime.graphs) == {f"{ID['caller']}/on time"} and gate.queued == 0
+        batcher.cancel()
         gate.close()
     run(scenario())
 

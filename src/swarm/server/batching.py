@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from swarm.server.gate import ComputeGate
+from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.records import BatchGraph
 from swarm.server.runtime import StageRuntime
+from swarm.wire.validate import Unavailable
 
 log = logging.getLogger("swarm.server")
 RECOMPUTE = object()  # the answer for a backward whose kept graph could not be used: recompute it
+
+
+@dataclass
+class _Queued:
+    """A forward request waiting for its batch."""
+
+    key: str
+    x: torch.Tensor
+    future: asyncio.Future
+    expires: Deadline
+    token: int  # its place in the compute gate's backlog
 
 
 class Batcher:
@@ -26,7 +39,7 @@ class Batcher:
         self.gate = gate
         self.limit = merge_samples
         self.backward_wait = backward_wait
-        self._queue: list[tuple[str, torch.Tensor, asyncio.Future]] = []
+        self._queue: list[_Queued] = []
         self._ready = asyncio.Event()
         self._waits: dict[BatchGraph, dict[str, tuple[torch.Tensor, asyncio.Future]]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -35,40 +48,58 @@ class Batcher:
     def busy(self) -> bool:
         return bool(self._queue)
 
-    async def forward(self, key: str, x: torch.Tensor) -> torch.Tensor:
-        """The stage's output for one request, computed in the next batch."""
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((key, x, future))
-        self.gate.queued += 1
+    async def forward(self, key: str, x: torch.Tensor, expires: Deadline) -> torch.Tensor:
+        """The stage's output for one request, computed in the next batch, unless its caller has given up
+        on it by then (`Unavailable`)."""
+        queued = _Queued(key, x, asyncio.get_running_loop().create_future(), expires,
+                         self.gate.backlog.enqueue("forward", x.shape[0]))
+        self._queue.append(queued)
         self._ready.set()
-        return await future
+        try:
+            return await queued.future
+        finally:
+            self.gate.backlog.leave(queued.token)
 
     async def loop(self) -> None:
         """Merge the forward requests queued since the last batch into one, up to `merge_samples`."""
         while True:
             await self._ready.wait()
             async with self.gate.lock:
-                batch, size = [], 0
-                while self._queue and (not batch or size + self._queue[0][1].shape[0] <= self.limit):
-                    item = self._queue.pop(0)
-                    batch.append(item)
-                    size += item[1].shape[0]
-                if not self._queue:
-                    self._ready.clear()
-                self.gate.queued -= len(batch)
+                batch = self._take_batch()
+                if not batch:
+                    continue
                 try:
                     outputs = await self.gate.run_locked(
-                        self.runtime.forward, [(r, x) for r, x, _ in batch], work="forward", samples=size
+                        self.runtime.forward, [(q.key, q.x) for q in batch], work="forward",
+                        samples=sum(q.x.shape[0] for q in batch),
                     )
                 except Exception as e:
                     log.exception("forward batch failed")
-                    for _, _, future in batch:
-                        if not future.done():
-                            future.set_exception(RuntimeError(f"forward failed: {e}"))
+                    for q in batch:
+                        if not q.future.done():
+                            q.future.set_exception(RuntimeError(f"forward failed: {e}"))
                     continue
-                for (_, _, future), y in zip(batch, outputs, strict=True):
-                    if not future.done():
-                        future.set_result(y)
+                for q, y in zip(batch, outputs, strict=True):
+                    if not q.future.done():
+                        q.future.set_result(y)
+
+    def _take_batch(self) -> list[_Queued]:
+        """The queued requests of the next batch, up to `merge_samples`; requests whose callers gave up
+        while they queued are answered as expired and left out (they may be retried elsewhere already)."""
+        batch, size = [], 0
+        while self._queue and (not batch or size + self._queue[0].x.shape[0] <= self.limit):
+            queued = self._queue.pop(0)
+            self.gate.backlog.leave(queued.token)
+            if queued.future.done():
+                continue
+            if queued.expires.passed():
+                queued.future.set_exception(Unavailable("the request expired while it queued"))
+                continue
+            batch.append(queued)
+            size += queued.x.shape[0]
+        if not self._queue:
+            self._ready.clear()
+        return batch
 
     async def backward(self, graph: BatchGraph, key: str, dy: torch.Tensor):
         """The input gradient of one request of a batched forward, or RECOMPUTE.

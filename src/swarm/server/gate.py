@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.server.backlog import Backlog
 from swarm.server.turns import TurnLock
 from swarm.wire.calls import StageCall
 from swarm.wire.validate import Unavailable
@@ -51,29 +52,35 @@ class ComputeGate:
         self.slowdown = slowdown
         self.cost_by_cpu = cost_by_cpu
         self.lock = TurnLock()  # steps go first (`lock.urgent()`): see swarm.server.turns
-        self.queued = 0  # jobs waiting for the lock (announced: trainers route around long queues)
+        self.backlog = Backlog()  # jobs waiting for the lock, and what they will take
         self.busy_seconds = 0.0  # wall time the thread spent on jobs
         self.count_work: WorkCounter = lambda work, samples, seconds: None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute")
         self._cost = 0.0  # what the thread's last job cost
 
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for the thread (announced: trainers route around long queues)."""
+        return self.backlog.queued
+
+    def wait(self) -> float:
+        """Seconds a job queued now would wait for the thread, as far as recent jobs' timings tell."""
+        return self.backlog.wait(time.monotonic())
+
     async def run(self, fn, *args, expires: Deadline | None = None, before: Callable[[], Any] | None = None,
                   work: str | None = None, samples: int = 0):
         """Run `fn(*args)` once the thread is free; `before` runs first, under the lock."""
-        self.queued += 1
-        acquired = False
+        token = self.backlog.enqueue(work, samples)
         try:
             async with self.lock:
-                self.queued -= 1
-                acquired = True
+                self.backlog.leave(token)
                 if expires is not None and expires.passed():
                     raise Unavailable("the request expired while it queued")
                 if before is not None:
                     before()
                 return await self.run_locked(fn, *args, work=work, samples=samples)
         finally:
-            if not acquired:
-                self.queued -= 1
+            self.backlog.leave(token)
 
     async def run_locked(self, fn, *args, work: str | None = None, samples: int = 0):
         """Run on the thread, the lock already held by the caller. Shielded: a cancelled caller must not
@@ -83,6 +90,7 @@ class ComputeGate:
         costs every replica of a stage the same whatever share of the samples it served, so counting it
         would make a server look slower the more replicas its stage has."""
         start = time.perf_counter()
+        self.backlog.started(work, samples, time.monotonic())
         job = asyncio.get_running_loop().run_in_executor(self._executor, self._slowed, fn, *args)
         try:
             return await asyncio.shield(job)
@@ -92,6 +100,7 @@ class ComputeGate:
         finally:
             elapsed = time.perf_counter() - start
             self.busy_seconds += elapsed
+            self.backlog.finished(work, samples, elapsed)
             if work is not None:
                 self.count_work(work, samples, self._cost if self.cost_by_cpu else elapsed)
 

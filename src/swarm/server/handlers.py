@@ -106,6 +106,17 @@ class StageHandlers:
         st.wake.set()
         raise Unavailable(f"stale replica: at epoch {epoch}, the stage is at {stage_epoch}")
 
+    def _refuse_if_backlogged(self, st: ServedStage, call: StageCall, samples: int) -> None:
+        """Turn a forward away at once when the work queued ahead of it would outlast its caller's timeout
+        (see swarm.server.backlog): the caller sends it elsewhere now instead of after the timeout. Behind
+        an empty queue a forward is always taken, however long it takes: no other server would start it
+        sooner than this one can."""
+        wait = self.gate.wait()
+        if wait > 0 and wait + self.gate.backlog.cost("forward", samples) > call.timeout:
+            st.counters["busy_refusals"] += 1
+            raise Unavailable(f"busy: about {wait:.0f}s of work queued ahead, past the call's "
+                              f"{call.timeout:.0f}s timeout")
+
     def refused(self, method: str, caller: str, error: BadRequest) -> None:
         """A log line per refused request (the caller got the same text back), up to REFUSALS_LOGGED a
         minute per call: a peer can send garbage by the thousand (a fuzz run of 60,000 messages once wrote
@@ -152,20 +163,22 @@ class StageHandlers:
 
     async def forward(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         call = StageCall.from_meta(meta)
+        expires = Deadline.of(call)
         st = self._admit(call, new_work=True)
         key = f"{caller}/{call.req}"
         x, targets = await asyncio.to_thread(self._check_forward, st, tensors)
         if targets is not None and (cached := self._repeat(st, key)) is not None:
             return cached
+        self._refuse_if_backlogged(st, call, x.shape[0])
         if targets is not None:
             self._take_receipt(st, call, key, x.shape[0])
         st.counters["samples_served"] += x.shape[0]  # a repeat answered from the cache is not counted again
         if targets is None:
-            y = await self.batcher.forward(key, x)
+            y = await self.batcher.forward(key, x, expires)
             await self._delay_reply(st, "forward")
             return {"epoch": st.runtime.epoch}, [Tagged("activations", y)]
         loss, grad = await self.gate.run(
-            st.runtime.forward_backward_last, key, x, targets, call.accumulate, expires=Deadline.of(call),
+            st.runtime.forward_backward_last, key, x, targets, call.accumulate, expires=expires,
             before=st.drop_if_lapsed, work="forward", samples=x.shape[0],
         )
         await self._delay_reply(st, "forward")

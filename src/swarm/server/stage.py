@@ -71,7 +71,7 @@ class ServedStage:
         self.work = WorkMeter(runtime.is_last)
         self.steps: list[StepRecord] = []
         self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0,
-                         "samples_served": 0}
+                         "busy_refusals": 0, "samples_served": 0}
         self.started = time.time()
         self.since = time.monotonic()
         self.busy_start = 0.0  # the compute gate's busy seconds when the server entered the stage
