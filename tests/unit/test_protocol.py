@@ -16,7 +16,7 @@ from hivemind.proto import runtime_pb2
 from swarm.net.protocol import MAX_TENSORS, WIRE_KEY, Tagged, Traffic, bound_stream_messages, decode, encode
 from swarm.wire import codecs
 from swarm.wire.codecs import Policy, error_bound
-from swarm.wire.validate import BadRequest
+from swarm.wire.validate import BadRequest, Truncated
 
 MESSAGE_CAP = 4 * 1024 * 1024
 UNLIMITED = 1 << 34
@@ -309,3 +309,16 @@ def test_a_stream_message_declaring_gigabytes_is_cut_off_unread() -> None:
         asyncio.run(main())
     finally:
         bound_stream_messages()
+
+
+def test_a_stream_that_ended_early_reads_as_truncated_not_as_malformed() -> None:
+    """Whole messages missing at the end (a part, or a big part's last chunks) are what a connection that
+    dropped leaves; a part short by a few bytes is garbage, and more parts than described too."""
+    messages = list(encode(runtime_pb2.ExpertRequest, {"epoch": 1}, [torch.ones(3), torch.zeros(2 * 1024 * 1024)]))
+    assert len(messages) > 2
+    with pytest.raises(Truncated, match="ended after 1 of the 2 tensor parts"):
+        decode_list(messages[:1])
+    with pytest.raises(Truncated, match="bytes into its last tensor part"):
+        decode_list(messages[:2])
+    meta, tensors = decode_list(messages)
+    assert meta == {"epoch": 1} and torch.equal(tensors[1], torch.zeros(2 * 1024 * 1024))

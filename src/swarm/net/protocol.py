@@ -31,7 +31,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.net.quiet import Quiet
 from swarm.wire import codecs
-from swarm.wire.validate import BadRequest
+from swarm.wire.validate import BadRequest, Truncated, Unavailable
 
 log = logging.getLogger(__name__)
 # hivemind's stream readers, which these lines come from, do not know the peer: the limit is global
@@ -204,6 +204,9 @@ def _packs(
             and all(isinstance(e, dict) and isinstance(e.get("parts"), int) and e["parts"] > 0
                     and isinstance(e.get("role"), str) for e in wire)):
         raise BadRequest("malformed payload: the tensors' description is missing or malformed")
+    if sum(e["parts"] for e in wire) > len(raw):
+        raise Truncated(f"the stream ended after {len(raw)} of the {sum(e['parts'] for e in wire)} tensor parts "
+                        "it described")
     if sum(e["parts"] for e in wire) != len(raw):
         raise BadRequest(f"malformed payload: {len(raw)} tensor parts for a description of "
                          f"{sum(e['parts'] for e in wire)}")
@@ -238,10 +241,12 @@ def _collect(chunked: list[list[runtime_pb2.Tensor]]) -> tuple[list[torch.Tensor
     """The raw parts the chunks make up, and the bytes of each (for the accounting)."""
     with _garbage_is_bad_request():
         protos = [combine_from_streaming(chunks) for chunks in chunked]
-        return [_deserialize(proto) for proto in protos], [len(proto.buffer) for proto in protos]
+        return ([_deserialize(proto, i == len(protos) - 1) for i, proto in enumerate(protos)],
+                [len(proto.buffer) for proto in protos])
 
 
-def _deserialize(proto: runtime_pb2.Tensor) -> torch.Tensor:
+def _deserialize(proto: runtime_pb2.Tensor, last: bool) -> torch.Tensor:
+    """A raw part as a tensor. The last part of a stream that ended early is short by whole chunks."""
     dtype = codecs.DTYPES.get(proto.dtype)
     if dtype is None:
         raise BadRequest(f"malformed payload: unknown dtype {proto.dtype!r}")
@@ -251,6 +256,8 @@ def _deserialize(proto: runtime_pb2.Tensor) -> torch.Tensor:
     if any(n < 0 for n in shape):
         raise BadRequest(f"malformed payload: negative size in {shape}")
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if last and len(proto.buffer) < expected and len(proto.buffer) % CHUNK_BYTES == 0:
+        raise Truncated(f"the stream ended {len(proto.buffer)} of {expected} bytes into its last tensor part")
     if len(proto.buffer) != expected:
         raise BadRequest(f"malformed payload: {len(proto.buffer)} bytes for {shape} {proto.dtype} ({expected})")
     if expected == 0:
@@ -263,7 +270,7 @@ def _garbage_is_bad_request() -> Iterator[None]:
     """Protobuf, msgpack and torch errors while parsing all mean one thing: garbage arrived."""
     try:
         yield
-    except (BadRequest, PermissionError):  # (a refusal of the caller itself: see decode's `admit`)
+    except (BadRequest, Unavailable, PermissionError):  # (a refusal of the caller itself: see decode's `admit`)
         raise
     except Exception as e:
         raise BadRequest(f"malformed payload: {type(e).__name__}: {e}") from e

@@ -21,6 +21,7 @@ from swarm.net.protocol import Item, Traffic, decode, encode, packed
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.net.servicer import StageServicer
 from swarm.wire.codecs import EXACT, Policy
+from swarm.wire.validate import Truncated
 
 REPLY_LIMIT_BYTES = 1 << 34  # replies come from servers we chose; the request side is what is capped
 
@@ -73,9 +74,13 @@ class StageClient:
                 await self.faults.apply(method)
             requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, self.traffic)
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
-            return await decode(stream, REPLY_LIMIT_BYTES, self.traffic)
+            reply = await decode(stream, REPLY_LIMIT_BYTES, self.traffic)
+            if reply[0].get("resend"):  # our request reached the server cut short: as a broken stream
+                raise Truncated(reply[0].get("error", "the request's stream ended early"))
+            return reply
 
-        # A libp2p stream occasionally ends before the reply (seen under load on loopback). Every call
+        # A libp2p stream occasionally ends early, before the reply or before the request's end (seen
+        # under load on loopback). Every call
         # of the protocol is safe to repeat (servers answer a repeated accumulating call from a cache,
         # reduce contributions are idempotent), so a broken stream is retried once within the deadline.
         deadline = asyncio.get_running_loop().time() + timeout

@@ -27,6 +27,12 @@ class Unavailable(RuntimeError):
     """The server cannot take this request now (it is leaving); the caller should go elsewhere."""
 
 
+class Truncated(Unavailable):
+    """A stream ended before the parts its metadata described: a connection that dropped under load, not a
+    malformed request (garbage never reads as whole messages missing at the end). Sent again, the same
+    request is likely whole, so the caller repeats it rather than counting the server's refusal."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     dtype: torch.dtype
