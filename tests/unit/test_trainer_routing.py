@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarm.config import agreed, config_hash, load_config
-from swarm.core.routing import LATENCY_ALPHA, MAX_LATENCY_RATIO
+from swarm.core.routing import LATENCY_ALPHA, MAX_LATENCY_RATIO, Candidate, awaiting_first_answer
 from swarm.net.transport import CallFailed
 from swarm.trainer.calls import StageCaller
 from swarm.trainer.view import LAPSE_MARGIN, SwarmView, until_next_view
@@ -244,3 +244,41 @@ def test_a_holder_stays_alive_while_views_stall_and_is_taken_for_gone_only_once_
         assert view.seen_lately(0, "holder")
     asyncio.run(view.refresh(directory))
     assert not view.seen_lately(0, "holder")
+
+
+def test_a_server_that_never_answered_gets_one_call_at_a_time_until_it_answers():
+    """A trainer's first burst: a slow server announcing the most gets one call, and the rest wait for
+    the first answer (the fast server's, soon) rather than queue there; once it has answered, it gets
+    calls by its measured figure."""
+    answered: set[str] = set()
+    before_first_answer: Counter = Counter()  # most calls in flight at a server before it answered
+    inflight: Counter = Counter()
+
+    class Tracking(_FakeClient):
+        async def call(self, peer, method, meta, tensors, timeout):
+            inflight[peer] += 1
+            if peer not in answered:
+                before_first_answer[peer] = max(before_first_answer[peer], inflight[peer])
+            try:
+                return await super().call(peer, method, meta, tensors, timeout)
+            finally:
+                inflight[peer] -= 1
+                answered.add(peer)
+
+    client = Tracking({"fast": 0.01, "slow": 0.5})
+    trainer = _trainer("random", (("fast", 1.0), ("slow", 3.0)), client)
+
+    async def burst() -> list[str]:
+        served = await asyncio.gather(*(trainer.call(0, "forward", f"r{i}", [torch.zeros(1)]) for i in range(12)))
+        return [s.peer for s in served]
+
+    peers = asyncio.run(burst())
+    assert before_first_answer == {"fast": 1, "slow": 1}
+    assert Counter(peers)["slow"] <= 2 and trainer.retries == 0  # the others went to the fast server meanwhile
+
+
+def test_servers_awaiting_a_first_answer_are_passed_over():
+    candidates = [Candidate("new", 5.0, inflight=1), Candidate("idle new", 5.0),
+                  Candidate("answered", 1.0, inflight=3, latency=1.0)]
+    assert awaiting_first_answer(candidates) == {"new"}
+    assert awaiting_first_answer(candidates, limit=2) == set()

@@ -38,6 +38,10 @@ LATENCY_ALPHA = 0.25
 # after it recovered. Bounded, a server that keeps failing still falls to a trickle of calls (each
 # failure also bans it, for longer each time), and one that recovered is back within a few answers.
 MAX_LATENCY_RATIO = 16.0
+# Calls one caller keeps at a server it never had an answer from: a slow start, as TCP's. Such a server's
+# figure is unproven (a calibration run idle, or a claim), and a slow one given its share of a trainer's
+# first burst holds those calls past their timeouts; one call at a time, its first answer measures it.
+UNPROVEN_CALLS = 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,12 @@ class ServerLatencies:
         ratio = min(ratio, MAX_LATENCY_RATIO)
         old = self._relative.get(peer)
         self._relative[peer] = ratio if old is None else old + self.alpha * (ratio - old)
+
+
+def awaiting_first_answer(candidates: Sequence[Candidate], limit: int = UNPROVEN_CALLS) -> set[str]:
+    """Servers to send nothing more for now: those that never answered this caller and hold `limit` of
+    its calls (see UNPROVEN_CALLS). The pickers pass them over as they pass over banned ones."""
+    return {c.peer_id for c in candidates if c.latency is None and c.inflight >= limit}
 
 
 def unmeasured_throughput(candidates: Sequence[Candidate]) -> float:

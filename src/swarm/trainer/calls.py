@@ -12,6 +12,7 @@ in others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -22,7 +23,7 @@ import torch
 
 from swarm.config import TrainerConfig
 from swarm.core import BanList, Candidate, LatencyTracker, SmoothWeightedRoundRobin, backoff_delay, choose_server
-from swarm.core.routing import ServerLatencies
+from swarm.core.routing import ServerLatencies, awaiting_first_answer
 from swarm.net.directory import Directory, short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -30,6 +31,7 @@ from swarm.trainer.view import SwarmView
 from swarm.wire.calls import StageCall
 
 log = logging.getLogger("swarm.trainer")
+LOOK_AGAIN = 0.5  # seconds between looks at a stage none of whose servers takes a call (one may move back)
 
 
 class MicrobatchFailed(Exception):
@@ -80,6 +82,7 @@ class StageCaller:
         self.owed: dict[str, int] = {}
         self._calls: dict[tuple[int, str], set[asyncio.Task]] = {}  # (stage, server) -> our calls waiting on it
         self._abandoned: set[asyncio.Task] = set()
+        self._ended: dict[int, asyncio.Event] = {}  # stage -> set when one of our calls there ends
         self.retries = 0
         self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
 
@@ -94,9 +97,10 @@ class StageCaller:
                       measured.latency(r.peer_id))
             for r in live.values() if not r.moving
         ]
+        passed_over = self.bans.banned(now) | awaiting_first_answer(candidates)
         if self.tc.routing == "wrr":
-            return self.round_robin[stage].pick(candidates, self.bans.banned(now))
-        return choose_server(candidates, self.rng, self.bans.banned(now))
+            return self.round_robin[stage].pick(candidates, passed_over)
+        return choose_server(candidates, self.rng, passed_over)
 
     def owe(self, peer: str) -> None:
         """`peer` ran a forward whose backward will come to it: counted in its load until `repay`."""
@@ -183,6 +187,8 @@ class StageCaller:
             self._calls[call.stage, peer].discard(waiting)
             self._abandoned.discard(waiting)
             self.inflight[peer] -= 1
+            if (ended := self._ended.pop(call.stage, None)) is not None:
+                ended.set()
             elapsed = time.perf_counter() - started
             key = f"{call.stage}/{method}"
             self.call_seconds[key] = self.call_seconds.get(key, 0.0) + elapsed
@@ -244,9 +250,14 @@ class StageCaller:
 
     async def _wait_for_server(self, stage: int) -> None:
         servers = self.view.servers[stage]
-        if servers:  # servers exist but all are banned: wait for the first ban to run out
+        if servers:
+            # servers exist but none takes a call now (banned, awaiting their first answer to us, or
+            # moving): wait for the first ban to run out, or for a call there to end
             now = time.monotonic()
-            await asyncio.sleep(max(0.05, min(self.bans.remaining(r.peer_id, now) for r in servers)))
+            bans = [self.bans.remaining(r.peer_id, now) for r in servers if self.bans.is_banned(r.peer_id, now)]
+            ended = self._ended.setdefault(stage, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), max(0.05, min(bans, default=LOOK_AGAIN)))
             return
         if stage not in self.view.waiting:
             self.view.waiting.add(stage)
