@@ -42,7 +42,8 @@ def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Pat
     so the copy held outside the stage is all that is left of it."""
     every = 3
     cfg = small_config(tmp_path, "local.netns=true", "local.layout=[1,2]", "trainer.target_steps=1000",
-                       f"backup.every={every}", "backup.period=0.5", "local.trainers=1", "trainer.max_inflight=4")
+                       f"backup.every={every}", "backup.period=0.5", "backup.max_share=1",  # (the bound asserted)
+                       "local.trainers=1", "trainer.max_inflight=4")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     newcomer: list[Peer] = []

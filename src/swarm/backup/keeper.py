@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from swarm.config import BackupConfig, NetConfig
-from swarm.core.backups import may_drop, needs_refresh, stages_to_hold, stragglers
+from swarm.core.backups import may_drop, needs_refresh, pause_after, stages_to_hold, stragglers
 from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
@@ -67,6 +67,7 @@ class BackupKeeper:
         self.over_budget: set[int] = set()  # stages refused for want of memory (logged once each)
         self.fresh_starts: dict[str, dict[str, Any]] = {}  # replica -> its stage and when it started afresh
         self.counters: Counter[str] = Counter()
+        self.paused_until = 0.0  # (monotonic) no copy is refreshed before then: see backup.max_share
 
     async def loop(self) -> None:
         announcing = asyncio.create_task(self._announce_loop())
@@ -97,9 +98,13 @@ class BackupKeeper:
                     del self.copies[stage]
                     log.info("dropped the copy of stage %d (epoch %d): no longer held here", stage, copy.epoch)
                     continue
+            if copy is not None and time.monotonic() < self.paused_until:
+                continue
             if stage in wanted and stage not in self.over_budget and needs_refresh(
                     copy.epoch if copy else None, max(epochs, default=0), self.cfg.every):
+                started = time.monotonic()
                 await self._refresh(stage, records)
+                self.paused_until = time.monotonic() + pause_after(time.monotonic() - started, self.cfg.max_share)
 
     def _wanted(self, layout: dict[int, list[ServerRecord]]) -> set[int]:
         own = self.own_stage()

@@ -53,6 +53,12 @@ def needs_refresh(held: int | None, stage_epoch: int, every: int) -> bool:
     return held is None or stage_epoch >= held + every
 
 
+def pause_after(download_seconds: float, max_share: float) -> float:
+    """Seconds a holder lets pass after a download before it refreshes a copy again, so that refreshes
+    take at most `max_share` of its time (see `backup.max_share`)."""
+    return download_seconds * (1 / max_share - 1)
+
+
 def may_drop(held: int, wanted: bool, replica_epochs: list[int]) -> bool:
     """A copy no longer ours to hold goes only once a live replica has the stage at least as far: the
     last copy of a stage whose replicas all died is never dropped."""
