@@ -46,6 +46,9 @@ def test_helpers_die_with_their_peer_and_a_cut_off_peer_exits(tmp_path: Path) ->
         # the helpers are in a process group of their own: a signal to the peer's group does not reach them
         for pids in helpers.values():
             assert {os.getpgid(pid) for pid in pids.values()} == {pids["dht"]}
+            # a local peer's daemon keeps to local.daemon_threads (1) threads, not one per core
+            environ = Path(f"/proc/{pids['p2pd']}/environ").read_bytes().split(b"\0")
+            assert b"GOMAXPROCS=1" in environ
         for trainer in trainers:
             swarm._wait(lambda t=trainer: " started: a corpus" in t.log_path.read_text(), 60, trainer.name, trainer)
 

@@ -198,6 +198,10 @@ class LocalSwarmConfig:
     # it trains (else at once: servers join as they come up, and the swarm rebalances around the late ones)
     trainers_wait: bool = False
     threads_per_peer: int = 1
+    # threads of each peer's libp2p daemon (Go's GOMAXPROCS; 0: Go's default, one per core). Daemons of peers
+    # sharing a machine, each with a thread per core, spin for work on the cores the compute needs: the
+    # fault-free local swarm of BENCHMARKS.md ran 10-23% faster at 1
+    daemon_threads: int = 1
     # every server, with its helper processes, held to this many cores as a machine of its own would be
     # (0: servers share the host's cores; needs root and a cgroup CPU controller); a server's slowdown
     # then makes its share that many times smaller
@@ -211,6 +215,7 @@ class LocalSwarmConfig:
 
     def __post_init__(self) -> None:
         require(self.servers_per_stage > 0, "local.servers_per_stage", "must be positive")
+        require(self.daemon_threads >= 0, "local.daemon_threads", f"must be >= 0, got {self.daemon_threads}")
         require(all(n >= 0 for n in self.layout), "local.layout", f"counts must be >= 0, got {list(self.layout)}")
         require(all(f >= 1 for f in self.slowdowns), "local.slowdowns", f"must be >= 1, got {list(self.slowdowns)}")
         require(all(d >= 0 for d in self.reply_delays), "local.reply_delays",

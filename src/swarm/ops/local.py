@@ -100,6 +100,8 @@ class LocalSwarm:
         log_path = logs / f"{name}.log"
         threads = str(self.cfg.local.threads_per_peer)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        if self.cfg.local.daemon_threads:  # (the p2p daemons the peer starts inherit its environment)
+            env["GOMAXPROCS"] = str(self.cfg.local.daemon_threads)
         wrap = netlab.wrap(host) if host else ()
         cmd = [*wrap, sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
         if role != "dht":  # a fault injector may delay or drop this peer's messages through this file
