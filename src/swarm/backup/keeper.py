@@ -104,7 +104,8 @@ class BackupKeeper:
                     copy.epoch if copy else None, max(epochs, default=0), self.cfg.every):
                 started = time.monotonic()
                 await self._refresh(stage, records)
-                self.paused_until = time.monotonic() + pause_after(time.monotonic() - started, self.cfg.max_share)
+                ended = time.monotonic()
+                self.paused_until = ended + pause_after(ended - started, self.cfg.max_share)
 
     def _wanted(self, layout: dict[int, list[ServerRecord]]) -> set[int]:
         own = self.own_stage()

@@ -204,12 +204,11 @@ def _packs(
             and all(isinstance(e, dict) and isinstance(e.get("parts"), int) and e["parts"] > 0
                     and isinstance(e.get("role"), str) for e in wire)):
         raise BadRequest("malformed payload: the tensors' description is missing or malformed")
-    if sum(e["parts"] for e in wire) > len(raw):
-        raise Truncated(f"the stream ended after {len(raw)} of the {sum(e['parts'] for e in wire)} tensor parts "
-                        "it described")
-    if sum(e["parts"] for e in wire) != len(raw):
-        raise BadRequest(f"malformed payload: {len(raw)} tensor parts for a description of "
-                         f"{sum(e['parts'] for e in wire)}")
+    described = sum(e["parts"] for e in wire)
+    if described > len(raw):
+        raise Truncated(f"the stream ended after {len(raw)} of the {described} tensor parts it described")
+    if described != len(raw):
+        raise BadRequest(f"malformed payload: {len(raw)} tensor parts for a description of {described}")
     packs, start = [], 0
     for entry in wire:
         stop = start + entry["parts"]

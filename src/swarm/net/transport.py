@@ -80,9 +80,9 @@ class StageClient:
             return reply
 
         # A libp2p stream occasionally ends early, before the reply or before the request's end (seen
-        # under load on loopback). Every call
-        # of the protocol is safe to repeat (servers answer a repeated accumulating call from a cache,
-        # reduce contributions are idempotent), so a broken stream is retried once within the deadline.
+        # under load on loopback). Every call of the protocol is safe to repeat (servers answer a repeated
+        # accumulating call from a cache, reduce contributions are idempotent), so a broken stream is
+        # retried once within the deadline.
         deadline = asyncio.get_running_loop().time() + timeout
         for attempt in range(2):
             try:
