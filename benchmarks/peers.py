@@ -27,6 +27,10 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   one process on the GPU, and the local swarm with every server on that GPU (bf16 autocast and TF32,
   the servers' GPU defaults). Reference: the single process.
 
+Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
+against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
+the bootstrap peer and the launcher), read from /proc.
+
 Achieved GFLOP/s counts the model's training FLOPs per sample (matmuls and attention, forward and
 backward: 3x the forward) times samples/s; the single process's figure is the machine's limit.
 """
@@ -35,19 +39,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from swarm.config import ModelConfig, load_config
 from swarm.ops.local import LocalSwarm
+from swarm.ops.procs import cpu_split, descendants
 from swarm.ops.report import collect, read_steps
 from swarm.ops.run import run_local
 from swarm.ops.status import SwarmStatus
+from swarm.server.gate import COMPUTE_THREAD
 
 sys.path.insert(0, str(Path(__file__).parent))
 from throughput import baseline  # noqa: E402  (sibling scripts, not a package)
@@ -88,7 +97,8 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
             victim.signal(signal.SIGKILL)
             killed.append(time.time())
 
-    summary = run_local(cfg, progress=False, on_status=follow if kill_stage is not None else None)
+    with CpuSampler() as cpu:
+        summary = run_local(cfg, progress=False, on_status=follow if kill_stage is not None else None)
     collected = collect(Path(run_dir))
     completed = collected["_completed"]
     since = killed[0] if killed else warmed_up(Path(run_dir))
@@ -102,12 +112,81 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
               "undrained_samples_per_second": sum(c[1] for c in steady) / (fed - since) if fed > since else None,
               "given_up": collected["microbatches_given_up"],
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
-                                          for r in st["replicas"])}
+                                          for r in st["replicas"]),
+              "cores": cpu.cores(since, fed)}
     if kill_stage is not None:
         if not killed:
             raise RuntimeError("the swarm ended before the kill")
         result["retries"], result["replays"] = summary["retries"], summary["replays"]
     return result
+
+
+class CpuSampler:
+    """Where the machine's cores went while the swarm trained: the servers' compute threads, and every other
+    thread of the launcher and of all it started, by kind of process (the peers' own processes, the DHT
+    processes hivemind forks from them, p2pd daemons). Read from /proc every EVERY seconds on a thread of
+    its own (not on the launcher's looks at the run, which read the DHT and would add to what is measured)."""
+
+    EVERY = 2.0
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, frozenset[int], Counter[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.EVERY):
+            pids = frozenset([os.getpid(), *descendants(os.getpid())])
+            used: Counter[str] = Counter()
+            for pid in pids:
+                compute, other = cpu_split([pid], COMPUTE_THREAD)
+                used["compute threads"] += compute
+                used[kind_of(pid)] += other
+            self.samples.append((time.time(), pids, used))
+
+    def cores(self, since: float, until: float) -> dict[str, float] | None:
+        """Cores used on average from `since` to `until` (wall clock), by kind (and `seconds`, the span
+        measured): up to the last sample before any process ended or started (their time cannot be read)."""
+        inside = [s for s in self.samples if since <= s[0] <= until]
+        if len(inside) < 2:
+            return None
+        first = inside[0]
+        last = [s for s in inside if s[1] == first[1]][-1]
+        seconds = last[0] - first[0]
+        if seconds <= 0:
+            return None
+        return {**{k: (v - first[2][k]) / seconds for k, v in last[2].items()}, "seconds": seconds}
+
+
+def kind_of(pid: int) -> str:
+    """A local swarm's process by role: 'server', 'trainer', 'bootstrap' (its `swarm dht` peer), 'launcher'
+    (this process), 'p2pd'; a DHT process hivemind forked from one of them is 'server DHT' etc."""
+    def command(p: int) -> list[bytes]:
+        return Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+
+    def role(p: int) -> str:
+        if p == os.getpid():
+            return "launcher"
+        argv = command(p)
+        if b"p2pd" in argv[0]:
+            return "p2pd"
+        roles = [r.decode() for r in (b"server", b"trainer") if r in argv]
+        return roles[0] if roles else "bootstrap" if b"dht" in argv else "other"
+
+    try:
+        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        forked = pid != os.getpid() and command(pid) == command(parent)  # (a fork keeps its parent's command line)
+        return f"{role(parent)} DHT" if forked else role(pid)
+    except OSError:
+        return "other"
 
 
 def warmed_up(run_dir: Path) -> float:
@@ -182,6 +261,12 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
             r["undrained_vs_ref"] = undrained / reference if reference else None
             print(f"{'':<10} {undrained:>10.2f}   until its trainer stopped starting microbatches: "
                   f"{r['undrained_vs_ref'] or 0:.3f} x the reference")
+        if r.get("cores"):
+            cores = {k: v for k, v in r["cores"].items() if k != "seconds"}
+            rest = sorted(((k, v) for k, v in cores.items() if k != "compute threads"), key=lambda kv: -kv[1])
+            print(f"{'':<10} cores ({r['cores']['seconds']:.0f}s of the timed run): "
+                  f"{cores.get('compute threads', 0):.2f} compute threads, {sum(v for _, v in rest):.2f} the rest: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in rest))
         if "ended" in r:
             for rank, s in sorted(r["ended"]["survivors"].items()):
                 ended = f"{s['error'][:90]}... {s['at']:.1f}s into the timed run, in {s['where']}"

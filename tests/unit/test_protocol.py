@@ -200,6 +200,16 @@ def test_corrupted_continuation_part_is_refused() -> None:
         decode_list(messages)
 
 
+def test_a_split_part_longer_than_its_shape_is_refused() -> None:
+    """Bytes past what the first chunk's shape and dtype describe make the part malformed, not truncated."""
+    messages = list(encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(2 * 1024 * 1024)]))
+    assert len(messages) > 1
+    messages[-1].tensors[0].buffer = messages[-1].tensors[0].buffer + b"\0" * 8
+    with pytest.raises(BadRequest, match="malformed payload") as info:
+        decode_list(messages)
+    assert type(info.value) is BadRequest
+
+
 def test_empty_stream_is_refused() -> None:
     """A stream closed before its first message has no metadata: refused, not an empty request."""
     with pytest.raises(BadRequest, match="empty stream"):

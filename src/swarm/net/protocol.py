@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgpack
+import numpy
 import torch
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
-from hivemind.utils.streaming import combine_from_streaming
 
 from swarm.net.quiet import Quiet
 from swarm.wire import codecs
@@ -239,29 +239,38 @@ def _chunks(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
 def _collect(chunked: list[list[runtime_pb2.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
     """The raw parts the chunks make up, and the bytes of each (for the accounting)."""
     with _garbage_is_bad_request():
-        protos = [combine_from_streaming(chunks) for chunks in chunked]
-        return ([_deserialize(proto, i == len(protos) - 1) for i, proto in enumerate(protos)],
-                [len(proto.buffer) for proto in protos])
+        parts = [_joined(chunks, i == len(chunked) - 1) for i, chunks in enumerate(chunked)]
+        return [part for part, _ in parts], [nbytes for _, nbytes in parts]
 
 
-def _deserialize(proto: runtime_pb2.Tensor, last: bool) -> torch.Tensor:
-    """A raw part as a tensor. The last part of a stream that ended early is short by whole chunks."""
-    dtype = codecs.DTYPES.get(proto.dtype)
+def _joined(chunks: list[runtime_pb2.Tensor], last: bool) -> tuple[torch.Tensor, int]:
+    """A raw part as a tensor, and its bytes. The first chunk says the dtype and shape; every chunk's bytes
+    are copied once, straight into the tensor. (Each read of a message's `buffer` copies it, and joining
+    the chunks into one message first, as hivemind does, then reading that several times, took seven
+    times the CPU: 0.4 s for a stage's 74 MiB state.) The last part of a stream that ended early is short
+    by whole chunks."""
+    first = chunks[0]
+    dtype = codecs.DTYPES.get(first.dtype)
     if dtype is None:
-        raise BadRequest(f"malformed payload: unknown dtype {proto.dtype!r}")
-    if proto.compression != runtime_pb2.CompressionType.NONE or proto.requires_grad:
+        raise BadRequest(f"malformed payload: unknown dtype {first.dtype!r}")
+    if first.compression != runtime_pb2.CompressionType.NONE or first.requires_grad:
         raise BadRequest("malformed payload: raw parts carry neither compression nor requires_grad")
-    shape = list(proto.size)
+    shape = list(first.size)
     if any(n < 0 for n in shape):
         raise BadRequest(f"malformed payload: negative size in {shape}")
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if last and len(proto.buffer) < expected and len(proto.buffer) % CHUNK_BYTES == 0:
-        raise Truncated(f"the stream ended {len(proto.buffer)} of {expected} bytes into its last tensor part")
-    if len(proto.buffer) != expected:
-        raise BadRequest(f"malformed payload: {len(proto.buffer)} bytes for {shape} {proto.dtype} ({expected})")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(proto.buffer), dtype=dtype).view(shape)
+    out = torch.empty(expected, dtype=torch.uint8)
+    into, received = out.numpy(), 0
+    for chunk in chunks:
+        data = chunk.buffer
+        if received + len(data) <= expected:
+            into[received:received + len(data)] = numpy.frombuffer(data, numpy.uint8)
+        received += len(data)
+    if last and received < expected and received % CHUNK_BYTES == 0:
+        raise Truncated(f"the stream ended {received} of {expected} bytes into its last tensor part")
+    if received != expected:
+        raise BadRequest(f"malformed payload: {received} bytes for {shape} {first.dtype} ({expected})")
+    return out.view(dtype).view(shape) if expected else torch.empty(shape, dtype=dtype), expected
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -35,3 +36,23 @@ def signal_machine(pid: int, sig: int) -> None:
     for group in groups:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, sig)
+
+
+def cpu_split(pids: Iterable[int], name: str) -> tuple[float, float]:
+    """CPU seconds (user and system) used so far by the threads of `pids` named `name` (as the kernel shows
+    them, e.g. the servers' compute threads: `swarm.server.gate.COMPUTE_THREAD`), and by all their others."""
+    tick = os.sysconf("SC_CLK_TCK")
+    named = other = 0.0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("[0-9]*"):
+            try:
+                comm = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited while being read
+            used = (int(fields[11]) + int(fields[12])) / tick
+            if comm == name:
+                named += used
+            else:
+                other += used
+    return named, other

@@ -1,0 +1,52 @@
+"""A process's CPU time split by thread name: how the benchmarks tell the servers' compute threads from
+everything else a swarm runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.ops.procs import cpu_split
+from swarm.server.gate import COMPUTE_THREAD, ComputeGate, name_os_thread
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+BURN = 0.3  # CPU seconds the named thread spends
+
+
+def test_a_named_threads_cpu_time_is_told_from_the_rest_of_the_process() -> None:
+    burnt, release = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        name_os_thread("swarm-test-burn")
+        while time.thread_time() < BURN:
+            pass
+        burnt.set()
+        release.wait()  # (a thread's time can be read only while it lives)
+
+    thread = threading.Thread(target=burn)
+    thread.start()
+    try:
+        assert burnt.wait(30)
+        named, other = cpu_split([os.getpid()], "swarm-test-burn")
+        nothing, everything = cpu_split([os.getpid()], COMPUTE_THREAD)
+    finally:
+        release.set()
+        thread.join()
+    assert BURN - 0.05 <= named <= BURN + 0.05  # (the kernel counts in clock ticks)
+    assert other > 0  # this test's own thread, at least
+    assert nothing == 0 and everything == pytest.approx(named + other, abs=0.05)
+
+
+def test_the_servers_compute_thread_carries_its_name() -> None:
+    gate = ComputeGate(slowdown=1.0, cost_by_cpu=True)
+    try:
+        name = asyncio.run(gate.run_locked(lambda: Path("/proc/thread-self/comm").read_text()))
+    finally:
+        gate.close()
+    assert name.strip() == COMPUTE_THREAD
