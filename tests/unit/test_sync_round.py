@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from swarm.core.ledger import carry
 from swarm.model import load_stages
 from swarm.server.gate import ComputeGate
 from swarm.server.gradvec import gradient_vector
-from swarm.server.stepping import LOOK_EVERY, Stepper
+from swarm.server.stage import ServedStage
+from swarm.server.stepping import LOOK_EVERY, TRAINERS_QUIET, Stepper
 
 
 def twins(n: int = 2):
@@ -264,31 +267,93 @@ def test_a_round_of_one_holds_the_gate_and_needs_no_all_reduce() -> None:
     asyncio.run(scenario())
 
 
-class _Trainers:
-    """A directory whose trainer records are read and counted."""
+class _Directory:
+    """A directory whose trainer and stage records are read and counted."""
 
-    def __init__(self) -> None:
-        self.reads = 0
+    def __init__(self, trainers: list[SimpleNamespace], stage: list[SimpleNamespace] | None = None) -> None:
+        self.listed, self.records = trainers, stage or []
+        self.reads = {"trainers": 0, "stage": 0}
+        self.expires: dict[str, float] = {}
 
-    async def trainers(self) -> list[str]:
-        self.reads += 1
-        return ["a trainer"]
+    async def trainers(self) -> list[SimpleNamespace]:
+        self.reads["trainers"] += 1
+        return self.listed
+
+    async def stage(self, index: int) -> list[SimpleNamespace]:
+        self.reads["stage"] += 1
+        return self.records
+
+    def now(self) -> float:
+        return time.time()
+
+
+def stepper_reading(directory: _Directory) -> tuple[ServedStage, Stepper]:
+    _, st = served(1, ComputeGate(1.0, False))
+    return st, Stepper(st, "QmMe", CFG.optim, CFG.net, 0, None, directory, None, None, None, None, "", None)
 
 
 def test_a_replica_that_saw_no_trainer_reads_again_at_its_next_look() -> None:
     """A replica alone steps only while it sees a trainer, and one whose first step fell due before the
     trainer's record was read waited out a grace more: with none in view, the records are read at every
-    look; with one, once per announcement period."""
+    look; with one, less often."""
     async def scenario() -> list[int]:
-        _, st = served(1, ComputeGate(1.0, False))
-        directory = _Trainers()
-        stepper = Stepper(st, "QmMe", CFG.optim, CFG.net, 0, None, directory, None, None, None, None, "", None)
+        directory = _Directory([SimpleNamespace(done=False)])
+        _, stepper = stepper_reading(directory)
         reads = []
-        for seen in ([], ["a trainer"]):
+        for seen in ([], directory.listed):
             stepper._trainers_read = (time.monotonic() - LOOK_EVERY, seen)
             await stepper._trainers()
-            reads.append(directory.reads)
+            reads.append(directory.reads["trainers"])
         return reads
 
     assert LOOK_EVERY < CFG.net.announce_period
     assert asyncio.run(scenario()) == [1, 1]
+
+
+@pytest.mark.parametrize("work_ago, done, read_after", [
+    (0.0, False, TRAINERS_QUIET),  # work comes in: the run goes on
+    (2.0, False, 1),  # no work for longer than a period: the run may be over
+    (0.0, True, 1),  # a trainer said it is done
+])
+def test_the_trainers_records_are_read_seldom_while_work_comes_in(work_ago: float, done: bool,
+                                                                   read_after: int) -> None:
+    """Every read of the trainers' records is served by each DHT node holding them. While calls come in,
+    the run is not over and a trainer is in view: once per TRAINERS_QUIET announcement periods is enough.
+    Once a trainer says it is done, or no work came for a period, the stage may have to flush its last
+    samples: once per period, so that the run's end is seen within one."""
+    period = CFG.net.announce_period
+
+    async def scenario() -> list[bool]:
+        directory = _Directory([SimpleNamespace(done=done)])
+        st, stepper = stepper_reading(directory)
+        st.work.last = time.monotonic() - work_ago * period
+        read = []
+        for periods in range(1, TRAINERS_QUIET + 1):
+            before = directory.reads["trainers"]
+            stepper._trainers_read = (time.monotonic() - periods * period - 0.01, directory.listed)
+            await stepper._trainers()
+            read.append(directory.reads["trainers"] > before)
+        return read
+
+    assert asyncio.run(scenario()) == [periods >= read_after for periods in range(1, TRAINERS_QUIET + 1)]
+
+
+@pytest.mark.parametrize("near", [False, True])
+def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: bool) -> None:
+    """Beside other replicas, their announced sample counts decide when the stage steps, but only near
+    the step; far from it the records are read once per announcement period, as by a replica alone."""
+    async def scenario() -> list[int]:
+        mate = SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)
+        directory = _Directory([], [mate])
+        st, stepper = stepper_reading(directory)
+        st.plan = replace(st.plan, peers_at_epoch=(st.runtime.epoch, frozenset({"QmMate"})),
+                          peers_pending=CFG.optim.target_batch_size if near else 0)
+        reads = []
+        for ago in (LOOK_EVERY + 0.01, CFG.net.announce_period + 0.01):
+            stepper._records_read = (time.monotonic() - ago, [mate])
+            await stepper._records()
+            reads.append(directory.reads["stage"])
+        return reads
+
+    assert LOOK_EVERY + 0.01 < CFG.net.announce_period
+    assert asyncio.run(scenario()) == ([1, 2] if near else [0, 1])

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 
 from swarm.config import NetConfig
-from swarm.core.stepping import worth_telling
 from swarm.net.directory import Directory
 from swarm.server.gate import ComputeGate
 from swarm.server.stage import ServedStage
@@ -71,15 +70,6 @@ class Announcer:
     async def withdraw(self) -> None:
         await self.directory.withdraw_server(self.record())
 
-    def _worth_telling(self) -> bool:
-        """Whether replicas at our epoch were in the step loop's last view (they add our count to theirs) and
-        the stage is near its step (`swarm.core.stepping.worth_telling`)."""
-        st = self.stage
-        epoch, peers = st.plan.peers_at_epoch
-        return epoch == st.runtime.epoch and worth_telling(
-            st.runtime.pending_samples, len(peers), st.plan.peers_pending, st.work.meter.rate, self.period,
-            self.target_batch_size)
-
     async def _announce_quietly(self) -> None:
         try:
             await self.announce()
@@ -115,7 +105,8 @@ class Announcer:
             if len(sending) >= OVERLAPPING:
                 continue
             # an early announcement only when none is under way: they tell counts, not that we are alive
-            changed = not sending and st.runtime.pending_samples != self._announced_pending and self._worth_telling()
+            changed = (not sending and st.runtime.pending_samples != self._announced_pending
+                       and st.near_step(self.period, self.target_batch_size))
             if changed or now - last >= self.period:
                 last = now
                 sending.add(asyncio.create_task(self._announce_quietly()))

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import torch
 
 from swarm.config import ModelConfig, OptimConfig, ServerConfig
 from swarm.core import StageRate
-from swarm.core.stepping import PlanMemory, accept_proposal
+from swarm.core.stepping import PlanMemory, accept_proposal, worth_telling
 from swarm.model import build_stage, stage_boundary
 from swarm.server.checkpoints import CheckpointStore
 from swarm.server.records import StepRecord
@@ -46,10 +47,12 @@ class WorkMeter:
         self.capacity = StageRate(passes, alpha=0.1, skip=WARMUP_WINDOWS)
         self._window: dict[str, tuple[int, float]] = {}  # pass -> (samples, seconds) since the last fold
         self._start = time.monotonic()
+        self.last = -math.inf  # (monotonic) when the last forward or backward pass was done
 
     def count(self, work: str, samples: int, seconds: float) -> None:
         done, spent = self._window.get(work, (0, 0.0))
         self._window[work] = (done + samples, spent + seconds)
+        self.last = time.monotonic()
 
     def fold(self, period: float) -> None:
         now = time.monotonic()
@@ -113,6 +116,15 @@ class ServedStage:
         self.proposal = (epoch, group)
         self.wake.set()
         return True
+
+    def near_step(self, period: float, target_batch_size: int) -> bool:
+        """Whether other replicas were at our epoch in the step plan's last view and the stage may reach
+        its step within two `period`s (`swarm.core.stepping.worth_telling`): only then do the sample
+        counts replicas announce and read decide anything."""
+        epoch, peers = self.plan.peers_at_epoch
+        return epoch == self.runtime.epoch and worth_telling(
+            self.runtime.pending_samples, len(peers), self.plan.peers_pending, self.work.meter.rate, period,
+            target_batch_size)
 
     def drop_if_lapsed(self) -> bool:
         """A replica that stalled long enough for its DHT record to lapse has been taken for dead:

@@ -49,6 +49,7 @@ log = logging.getLogger("swarm.server")
 # serves the looks that gradients wake in between while other replicas are in view (they announce once a
 # second, and on new samples); a replica alone reads once per announcement period
 LOOK_EVERY = 0.5
+TRAINERS_QUIET = 5  # announcement periods between reads of the trainers' records while work comes in
 STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
 DISTRUST_TTLS = 10  # record lifetimes such a peer stays left out
 
@@ -169,12 +170,16 @@ class Stepper:
         return decision, records
 
     async def _records(self) -> list[ServerRecord]:
-        """The stage's records, read at most once per LOOK_EVERY, or per announcement period while no other
-        replica is in view: a look woken by each new gradient would otherwise read the DHT several times a
-        second for counts that others announce once a second, and a newcomer is seen within a period."""
+        """The stage's records, read at most once per LOOK_EVERY while other replicas are in view and the
+        stage is near its step (their sample counts then decide when it steps), else once per announcement
+        period: a look woken by each new gradient would otherwise read the DHT several times a second, and
+        every read is served by each DHT node holding the stage's key, CPU taken from every host's compute
+        (a server's DHT work, its own and what it serves others, takes about a tenth of a 0.45-core share).
+        A newcomer is seen within a period."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
-        if now - self._records_read[0] >= (LOOK_EVERY if others else self.net.announce_period):
+        near = others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
+        if now - self._records_read[0] >= (LOOK_EVERY if near else self.net.announce_period):
             began = self.directory.now()
             records = await self.directory.stage(self.stage.index)
             listed = {r.peer_id for r in records}
@@ -184,11 +189,18 @@ class Stepper:
         return self._records_read[1]
 
     async def _trainers(self) -> list[TrainerRecord]:
-        """The trainers in view, read at most once per announcement period: the plan needs them only at
-        the end of a run or when a replica is alone, and the step loop looks several times a second."""
+        """The trainers in view. The plan needs them when a replica is alone (it steps only once it sees
+        one) and at the end of a run (every trainer done: the stage flushes what it holds). So: at every
+        look while none is in view; once per announcement period once one says it is done, or once no work
+        came for a period (the run may be over); and while work comes in, once per TRAINERS_QUIET periods."""
         now = time.monotonic()
-        # while none is in view, as often as the records: a replica alone steps only once it sees one
-        every = self.net.announce_period if self._trainers_read[1] else LOOK_EVERY
+        seen = self._trainers_read[1]
+        if not seen:
+            every = LOOK_EVERY
+        elif any(t.done for t in seen) or now - self.stage.work.last > self.net.announce_period:
+            every = self.net.announce_period
+        else:
+            every = TRAINERS_QUIET * self.net.announce_period
         if now - self._trainers_read[0] >= every:
             self._trainers_read = (now, await self.directory.trainers())
         return self._trainers_read[1]
