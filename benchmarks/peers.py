@@ -131,6 +131,7 @@ class CpuSampler:
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, frozenset[int], Counter[str]]] = []
+        self._kinds: dict[int, str] = {}  # pid -> kind_of(pid): a process keeps its kind for life
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -149,7 +150,9 @@ class CpuSampler:
             for pid in pids:
                 compute, other = cpu_split([pid], COMPUTE_THREAD)
                 used["compute threads"] += compute
-                used[kind_of(pid)] += other
+                if pid not in self._kinds:
+                    self._kinds[pid] = kind_of(pid)
+                used[self._kinds[pid]] += other
             self.samples.append((time.time(), pids, used))
 
     def cores(self, since: float, until: float) -> dict[str, float] | None:

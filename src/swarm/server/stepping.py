@@ -46,8 +46,8 @@ from swarm.wire.records import ServerRecord, TrainerRecord
 
 log = logging.getLogger("swarm.server")
 # seconds between looks when nothing wakes the step loop, and how long a read of the stage's records
-# serves the looks that gradients wake in between while other replicas are in view (they announce once a
-# second, and on new samples); a replica alone reads once per announcement period
+# serves the looks that gradients wake in between while other replicas are in view and the stage is near its
+# step (they announce once a second, and on new samples then); otherwise a read serves an announcement period
 LOOK_EVERY = 0.5
 TRAINERS_QUIET = 5  # announcement periods between reads of the trainers' records while work comes in
 STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
@@ -174,7 +174,8 @@ class Stepper:
         stage is near its step (their sample counts then decide when it steps), else once per announcement
         period: a look woken by each new gradient would otherwise read the DHT several times a second, and
         every read is served by each DHT node holding the stage's key, CPU taken from every host's compute
-        (a server's DHT work, its own and what it serves others, takes about a tenth of a 0.45-core share).
+        (in the straggler benchmark a server's DHT process, daemon and network threads took about a tenth
+        of its 0.45-core share).
         A newcomer is seen within a period."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
