@@ -54,6 +54,7 @@ class LoopbackClient:
         self.calls: list[tuple[str, str]] = []
         self.lose_reply_from: set[str] = set()  # owners whose next reply is lost after they answered
         self.dead: set[str] = set()  # owners every call to fails at once, as to a killed process
+        self.stalled: set[str] = set()  # owners no call reaches: each waits until its caller gives it up
 
     async def call(
         self, peer_id: str, method: str, meta: dict[str, Any], tensors: Sequence[torch.Tensor], timeout: float
@@ -62,6 +63,8 @@ class LoopbackClient:
         self.calls.append((self.own_id, peer_id))
         if peer_id in self.dead:
             raise CallFailed(f"{method} failed: dial backoff")
+        if peer_id in self.stalled:
+            await asyncio.Event().wait()
         owner = self.members[peer_id]
         try:
             meta, received = await _through_wire(meta, tensors, self.policy)
@@ -618,6 +621,46 @@ def test_a_poisoned_contribution_fails_the_round_at_once_and_names_its_sender(po
     for peer, outcome in zip(ids, outcomes, strict=True):
         if peer != "peerC":
             assert outcome.unreachable == frozenset({"peerC"}), outcome
+
+
+def test_a_member_whose_part_is_refused_as_poison_before_its_own_round_sees_it_names_itself() -> None:
+    """peerB refuses peerC's part as poison before peerC's own part reaches peerC's own round, and peerC's
+    part to peerA never arrives. peerC checks the refused part itself, finds it poison, and its round,
+    given up, names peerC to peerA's part: peerA, told by peerB that peerC was poison, has that word from
+    peerC about itself and names it at once. (Its round given up unnamed, peerC left peerA's part waiting
+    for a round to begin there, and peerA waited out its whole timeout.)"""
+    ids = ("peerA", "peerB", "peerC")
+    samples = {"peerA": 2, "peerB": 3, "peerC": 4}
+    flat = grads(samples, 90)
+    flat["peerC"][::7] = float("nan")
+    members = make_members(ids, timeout=30.0, bounds=Bounds(max_norm_per_sample=1e3))
+    peer_c = members["peerC"]
+    peer_c.client.stalled = {"peerA"}
+    refused = asyncio.Event()
+    calls, contribute = peer_c.client.call, peer_c.contribute
+
+    async def call_then_tell(peer_id, *args, **kwargs):
+        try:
+            return await calls(peer_id, *args, **kwargs)
+        finally:
+            refused.set()
+
+    async def own_part_after_the_refusal(meta, tensors, sender):
+        if sender == "peerC":
+            await refused.wait()
+        return await contribute(meta, tensors, sender)
+
+    peer_c.client.call, peer_c.contribute = call_then_tell, own_part_after_the_refusal
+
+    async def main() -> tuple[list[Any], float]:
+        start = time.monotonic()
+        outcomes = await asyncio.gather(*(members[p].run(0, ids, flat[p], samples[p]) for p in ids),
+                                        return_exceptions=True)
+        return outcomes, time.monotonic() - start
+
+    outcomes, elapsed = run_all(main())
+    assert elapsed < 2.0
+    assert all(isinstance(o, RoundFailed) and o.unreachable == frozenset({"peerC"}) for o in outcomes), outcomes
 
 
 def test_an_owner_naming_a_member_as_poison_is_not_taken_at_its_word() -> None:

@@ -235,6 +235,8 @@ class StageAllReduce:
                 except CallFailed as e:
                     if e.refused and not any(mark in str(e) for mark in (NOT_READY, DIVERGED, POISON)):
                         raise RefusedBy(owner, e) from e
+                    if e.refused and POISON in str(e):
+                        await self._refused_as_poison(rnd, meta, part)
                     if e.answered or e.timed_out:
                         raise
                     if attempt == REDUCE_ATTEMPTS - 1:
@@ -260,12 +262,8 @@ class StageAllReduce:
     ) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """Owner side: take one member's part, answer with the reduced part once all are in. A poisoned
         part (not finite, or over the bounds) ends this owner's round at once: its result would be poison."""
-        try:  # (a whole part's checks, and its reduction below, run off the event loop: see `_reduce`)
-            c = await asyncio.to_thread(Contribution.parse, meta, tensors, sender, self.bounds)
-            if self.bounds.receipts and len(c.ids) <= RECEIPTS_INLINE:
-                check_receipts(meta.get("receipts"), c, self.stage)
-            elif self.bounds.receipts:  # a long list is checked off the event loop
-                await asyncio.to_thread(check_receipts, meta.get("receipts"), c, self.stage)
+        try:
+            c = await self._checked(meta, tensors, sender)
         except BadRequest as e:
             epoch = meta.get("epoch") if isinstance(meta, dict) else None
             rnd = self._rounds.get(epoch) if isinstance(epoch, int) else None
@@ -292,6 +290,27 @@ class StageAllReduce:
         if rnd.result is None:
             raise self._abandoned(rnd)
         return self._answer(self._repeated(rnd, c))
+
+    async def _checked(self, meta: dict[str, Any], tensors: list[torch.Tensor], sender: str) -> Contribution:
+        """A contribution as every owner checks it (BadRequest: refused). A whole part's checks, like its
+        reduction, run off the event loop: see `_reduce`."""
+        c = await asyncio.to_thread(Contribution.parse, meta, tensors, sender, self.bounds)
+        if self.bounds.receipts and len(c.ids) <= RECEIPTS_INLINE:
+            check_receipts(meta.get("receipts"), c, self.stage)
+        elif self.bounds.receipts:  # a long list is checked off the event loop
+            await asyncio.to_thread(check_receipts, meta.get("receipts"), c, self.stage)
+        return c
+
+    async def _refused_as_poison(self, rnd: Round, meta: dict[str, Any], part: torch.Tensor) -> None:
+        """An owner refused our part as poison: check it as the owners do. Where it fails here too, our round,
+        given up, names ourselves to the parts still coming to it, as it does where our own part reached our
+        own round first: without that, whichever refusal came first decided whether our groupmates heard
+        of it at once, or waited out their round for our part to some owner."""
+        try:
+            await self._checked(meta, [part], self.own_id)
+        except BadRequest:
+            if rnd.result is None:
+                rnd.poisoned.add(self.own_id)
 
     @staticmethod
     def _repeated(rnd: Round, c: Contribution) -> tuple[codecs.Packed, int, list[str]]:
