@@ -11,7 +11,7 @@ import torch
 from swarm.config import load_config
 from swarm.data.corpus import load_documents
 from swarm.model import load_stages
-from swarm.wire.codecs import CODECS, MAX_BLOCK, Packed, decode, encode, error_bound
+from swarm.wire.codecs import CODECS, MAX_BLOCK, Packed, check, decode, encode, error_bound
 from swarm.wire.validate import BadRequest
 
 
@@ -102,11 +102,12 @@ def packed_of(codec: str) -> Packed:
         ("none", lambda p: p.parts.append(torch.zeros(1)), "one tensor"),
     ],
 )
-def test_malformed_payloads_are_refused_with_the_reason(codec, spoil, message) -> None:
+@pytest.mark.parametrize("read", [decode, check], ids=["decoded", "checked for relaying"])
+def test_malformed_payloads_are_refused_with_the_reason(codec, spoil, message, read) -> None:
     packed = packed_of(codec)
     spoil(packed)
     with pytest.raises(BadRequest, match=message):
-        decode(packed)
+        read(packed)
 
 
 def test_unknown_codec_is_a_programming_error() -> None:

@@ -34,7 +34,7 @@ class _FakeClient:
         self.failing: set[str] = set()
         self.calls: Counter = Counter()
 
-    async def call(self, peer, method, meta, tensors, timeout):
+    async def call(self, peer, method, meta, tensors, timeout, unpack=True):
         self.calls[peer] += 1
         await asyncio.sleep(self.delays[peer])
         if peer in self.failing:
@@ -255,12 +255,12 @@ def test_a_server_that_never_answered_gets_one_call_at_a_time_until_it_answers()
     inflight: Counter = Counter()
 
     class Tracking(_FakeClient):
-        async def call(self, peer, method, meta, tensors, timeout):
+        async def call(self, peer, method, meta, tensors, timeout, unpack=True):
             inflight[peer] += 1
             if peer not in answered:
                 before_first_answer[peer] = max(before_first_answer[peer], inflight[peer])
             try:
-                return await super().call(peer, method, meta, tensors, timeout)
+                return await super().call(peer, method, meta, tensors, timeout, unpack)
             finally:
                 inflight[peer] -= 1
                 answered.add(peer)

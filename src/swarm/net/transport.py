@@ -17,9 +17,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.net.faultfile import FaultFile
-from swarm.net.protocol import Item, Traffic, decode, encode, packed
+from swarm.net.protocol import Item, Traffic, encode, packed, receive
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.net.servicer import StageServicer
+from swarm.wire import codecs
 from swarm.wire.codecs import EXACT, Policy
 from swarm.wire.validate import Truncated
 
@@ -57,7 +58,10 @@ class StageClient:
         meta: dict[str, Any],
         tensors: Sequence[Item],
         timeout: float,
-    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        unpack: bool = True,
+    ) -> tuple[dict[str, Any], list[torch.Tensor] | list[codecs.Packed]]:
+        """The reply's metadata and tensors; with `unpack` False, its tensors as they came, packed (checked as
+        unpacking would check them): a trainer relays them to the next stage untouched."""
         try:
             stub = StageServicer.get_stub(self.p2p, PeerID.from_base58(peer_id))
         except Exception as e:  # a peer id read from a record can be garbage
@@ -74,7 +78,13 @@ class StageClient:
                 await self.faults.apply(method)
             requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, self.traffic)
             stream = await getattr(stub, f"rpc_{method}")(_aiter(requests))
-            reply = await decode(stream, REPLY_LIMIT_BYTES, self.traffic)
+            received = await receive(stream, REPLY_LIMIT_BYTES, self.traffic)
+            if unpack:
+                reply = received.meta, await received.unpacked()
+            else:
+                for pack in received.packs:
+                    codecs.check(pack)
+                reply = received.meta, received.packs
             if reply[0].get("resend"):  # our request reached the server cut short: as a broken stream
                 raise Truncated(reply[0].get("error", "the request's stream ended early"))
             return reply

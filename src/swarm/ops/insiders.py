@@ -22,6 +22,7 @@ from swarm.averaging.checks import Bounds
 from swarm.config import SwarmConfig
 from swarm.net.identity import peer_id_of
 from swarm.trainer.calls import Served, StageCaller
+from swarm.wire import codecs
 
 ATTACKING = "attacking"  # what a hostile peer prints once it has joined and begins
 HUGE = 3e38  # the largest gradient value a poison trainer sends: float32 holds it (up to 3.4e38), not its square
@@ -44,11 +45,12 @@ class PoisonCaller(StageCaller):
         super().__init__(*args, **kwargs)
         self.began = began
 
-    async def call(self, stage: int, method: str, req: str, tensors: list[torch.Tensor], prefer: str | None = None,
+    async def call(self, stage: int, method: str, req: str, tensors: list[codecs.Carried], prefer: str | None = None,
                    accumulating: bool = False) -> Served:
         if method == "backward":
             self.began.set()
-            tensors = [tensors[0], poisoned(tensors[1])]
+            grad = tensors[1]  # (as the next stage's reply came: packed)
+            tensors = [tensors[0], poisoned(codecs.decode(grad) if isinstance(grad, codecs.Packed) else grad)]
         return await super().call(stage, method, req, tensors, prefer=prefer, accumulating=accumulating)
 
 

@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from swarm.config import TrainerConfig
 from swarm.core import BanList, Candidate, LatencyTracker, SmoothWeightedRoundRobin, backoff_delay, choose_server
 from swarm.core.routing import ServerLatencies, awaiting_first_answer
@@ -29,6 +27,7 @@ from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
 from swarm.trainer.view import SwarmView
 from swarm.wire.calls import StageCall
+from swarm.wire.codecs import Carried, rows
 
 log = logging.getLogger("swarm.trainer")
 LOOK_AGAIN = 0.5  # seconds between looks at a stage none of whose servers takes a call (one may move back)
@@ -44,7 +43,7 @@ class Served:
 
     peer: str  # the server that answered
     meta: dict
-    tensors: list[torch.Tensor]
+    tensors: list[Carried]  # as they came, packed: the trainer relays them to the next stage untouched
     holder: str  # the server that accumulated (or, after an unanswered call, may have accumulated) it
     epoch: int  # the stage's epoch at the holder when it accumulated, as far as we know
 
@@ -112,14 +111,14 @@ class StageCaller:
         if not self.owed[peer]:
             del self.owed[peer]
 
-    async def call(self, stage: int, method: str, req: str, tensors: list[torch.Tensor], prefer: str | None = None,
+    async def call(self, stage: int, method: str, req: str, tensors: list[Carried], prefer: str | None = None,
                    accumulating: bool = False) -> Served:
         """Call `method` of some server of `stage`, retrying as the module says."""
         tried = _Attempts(prefer=prefer)
         while tried.count < self.tc.max_attempts or accumulating:
             peer = await self._server_for(stage, tried)
             call = self._stage_call(stage, method, req, accumulating and tried.holder is None, peer,
-                                    tensors[0].shape[0])
+                                    rows(tensors[0]))
             started = time.monotonic()
             try:
                 reply = await self._timed(method, peer, call, tensors)
@@ -166,14 +165,15 @@ class StageCaller:
         announced = next((r.queue for r in self.view.servers[stage] if r.peer_id == peer), 0)
         return max(self.inflight.get(peer, 0), announced)
 
-    async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[torch.Tensor]):
+    async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[Carried]):
         # a call's seconds count against the server per request it had to serve (its queue and ours): a
         # fast server that routing keeps busy answers as late as a slow idle one, and must not look slow
         per_request = 1 + self._ahead(call.stage, peer)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         started = time.perf_counter()
         waiting = asyncio.ensure_future(
-            self.client.call(peer, method, call.to_meta(), _tagged(call.stage, method, tensors), call.timeout))
+            self.client.call(peer, method, call.to_meta(), _tagged(call.stage, method, tensors), call.timeout,
+                             unpack=False))
         self._calls.setdefault((call.stage, peer), set()).add(waiting)
         try:
             reply = await waiting
@@ -266,7 +266,7 @@ class StageCaller:
         await self.view.refresh(self.directory)
 
 
-def _tagged(stage: int, method: str, tensors: list[torch.Tensor]) -> list[Tagged]:
+def _tagged(stage: int, method: str, tensors: list[Carried]) -> list[Tagged]:
     """What a stage call carries: the stage's input (token ids at the first stage, activations after),
     then the targets (forward or evaluate to the last stage) or the gradient of the stage's output (backward)."""
     roles = ("tokens" if stage == 0 else "activations", "gradients" if method == "backward" else "tokens")

@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from swarm.config import TrainerConfig
 from swarm.core import LedgerReply, Verdict, judge, merge_answers
 from swarm.net.directory import short
@@ -20,6 +18,7 @@ from swarm.net.transport import CallFailed, StageClient
 from swarm.trainer.calls import MicrobatchFailed, Served, StageCaller
 from swarm.trainer.view import SwarmView
 from swarm.wire.calls import LedgerQuery
+from swarm.wire.codecs import Carried
 
 log = logging.getLogger("swarm.trainer")
 
@@ -31,7 +30,7 @@ class KeptGradient:
     req: str
     stage: int
     method: str  # the call that accumulates it again: "backward", or "forward" for the last stage
-    tensors: list[torch.Tensor]
+    tensors: list[Carried]
     holder: str
     epoch: int
     judge_after: float  # monotonic time before which no verdict is taken (a doubtful call may still run)
@@ -50,7 +49,7 @@ class GradientKeeper:
         self.replays = 0  # lost gradients accumulated again, by a server that answered
         self._replaying: set[asyncio.Task] = set()
 
-    def keep(self, req: str, stage: int, method: str, tensors: list[torch.Tensor], served: Served) -> None:
+    def keep(self, req: str, stage: int, method: str, tensors: list[Carried], served: Served) -> None:
         doubtful = served.holder != served.peer
         judge_after = time.monotonic() + (self.tc.request_timeout if doubtful else 0.0)
         self.kept[req, stage] = KeptGradient(req, stage, method, tensors, served.holder, served.epoch, judge_after)

@@ -103,14 +103,31 @@ def on_host(policy: Policy | None, role: str, tensor: torch.Tensor) -> torch.Ten
     return Packed(packed.meta, [part.cpu() for part in packed.parts])
 
 
-def decode(packed: Packed) -> torch.Tensor:
+Carried = torch.Tensor | Packed  # what a trainer sends: its own tensors, or a stage's reply packed as it came
+
+
+def check(packed: Packed) -> None:
+    """Refuse (BadRequest) what `decode` would refuse, without decoding: a trainer relays a stage's reply to
+    the next stage as it came, and a malformed one is still the replying server's failure."""
+    _described(packed)
+
+
+def rows(value: Carried) -> int:
+    """The leading dimension of a tensor, packed or not (a microbatch's samples)."""
+    if not isinstance(value, Packed):
+        return value.shape[0]
+    return value.parts[0].shape[0] if value.meta.get("codec") == "none" else value.meta["shape"][0]
+
+
+def _described(packed: Packed) -> tuple[list[int], torch.dtype]:
+    """A packed tensor's shape and dtype, once its description and parts are checked against each other."""
     meta, parts = packed.meta, packed.parts
     codec = meta.get("codec")
     if codec not in CODECS:
         raise BadRequest(f"malformed compressed tensor: unknown codec {codec!r}")
     if codec == "none":
         _expect(len(parts) == 1, f"codec none carries one tensor, got {len(parts)}")
-        return parts[0]
+        return list(parts[0].shape), parts[0].dtype
     shape, dtype = meta.get("shape"), DTYPES.get(meta.get("dtype"))
     _expect(isinstance(shape, list) and len(shape) <= MAX_DIMS
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape), f"bad shape {shape!r}")
@@ -121,21 +138,32 @@ def decode(packed: Packed) -> torch.Tensor:
     _expect([p.dtype for p in parts] == wanted, f"{codec} carries {wanted}, got {[p.dtype for p in parts]}")
     _expect(parts[0].dim() == 1 and parts[0].numel() == numel,
             f"{codec} data holds {parts[0].numel()} values for shape {shape}")
-    if codec in ("fp16", "bf16"):
-        flat = parts[0].float()
-    elif codec == "uint8":
-        lo, step = meta.get("lo"), meta.get("step")
-        _expect(all(isinstance(v, int | float) and math.isfinite(v) for v in (lo, step)), "bad uint8 range")
-        flat = parts[0].float() * step + lo
-    else:
+    if codec == "uint8":
+        _expect(all(isinstance(meta.get(k), int | float) and math.isfinite(meta.get(k)) for k in ("lo", "step")),
+                "bad uint8 range")
+    elif codec == "blockwise8":
         block, scales = meta.get("block"), parts[1]
         _expect(isinstance(block, int) and not isinstance(block, bool) and 0 < block <= MAX_BLOCK,
                 f"block size {block!r} outside [1, {MAX_BLOCK}]")
         _expect(scales.dim() == 1 and scales.numel() == -(-numel // block),
                 f"blockwise8 needs {-(-numel // block)} scales, got {scales.numel()}")
         _expect(bool(torch.isfinite(scales).all() and (scales >= 0).all()), "blockwise8 scales must be finite and >= 0")
-        # each value times its block's scale, without padding to whole blocks: memory stays that of the values
-        flat = parts[0].float().mul_((scales / 127).repeat_interleave(block)[:numel])
+    return shape, dtype
+
+
+def decode(packed: Packed) -> torch.Tensor:
+    meta, parts = packed.meta, packed.parts
+    shape, dtype = _described(packed)
+    codec, numel = meta["codec"], math.prod(shape)
+    if codec == "none":
+        return parts[0]
+    if codec in ("fp16", "bf16"):
+        flat = parts[0].float()
+    elif codec == "uint8":
+        flat = parts[0].float() * meta["step"] + meta["lo"]
+    else:  # each value times its block's scale, without padding to whole blocks: memory stays that of the values
+        block = meta["block"]
+        flat = parts[0].float().mul_((parts[1] / 127).repeat_interleave(block)[:numel])
     return flat.view(shape).to(dtype)
 
 
