@@ -106,12 +106,6 @@ def on_host(policy: Policy | None, role: str, tensor: torch.Tensor) -> torch.Ten
 Carried = torch.Tensor | Packed  # what a trainer sends: its own tensors, or a stage's reply packed as it came
 
 
-def check(packed: Packed) -> None:
-    """Refuse (BadRequest) what `decode` would refuse, without decoding: a trainer relays a stage's reply to
-    the next stage as it came, and a malformed one is still the replying server's failure."""
-    _described(packed)
-
-
 def rows(value: Carried) -> int:
     """The leading dimension of a tensor, packed or not (a microbatch's samples)."""
     if not isinstance(value, Packed):
@@ -119,8 +113,10 @@ def rows(value: Carried) -> int:
     return value.parts[0].shape[0] if value.meta.get("codec") == "none" else value.meta["shape"][0]
 
 
-def _described(packed: Packed) -> tuple[list[int], torch.dtype]:
-    """A packed tensor's shape and dtype, once its description and parts are checked against each other."""
+def check(packed: Packed) -> tuple[list[int], torch.dtype]:
+    """A packed tensor's shape and dtype, once its description and parts are checked against each other
+    (BadRequest: malformed). `decode` checks so; a trainer relaying a stage's reply to the next stage as it
+    came checks so too, and a malformed one is still the replying server's failure."""
     meta, parts = packed.meta, packed.parts
     codec = meta.get("codec")
     if codec not in CODECS:
@@ -153,7 +149,7 @@ def _described(packed: Packed) -> tuple[list[int], torch.dtype]:
 
 def decode(packed: Packed) -> torch.Tensor:
     meta, parts = packed.meta, packed.parts
-    shape, dtype = _described(packed)
+    shape, dtype = check(packed)
     codec, numel = meta["codec"], math.prod(shape)
     if codec == "none":
         return parts[0]
