@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 
@@ -113,3 +114,33 @@ def test_a_server_and_a_trainer_sent_sigterm_leave_cleanly_and_the_run_goes_on(t
         assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
     assert_exactly_once(summary)
     assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_trainers_inside_servers_train_the_swarm_and_call_their_own_server_without_the_network(tmp_path):
+    """`local.trainers_in_servers`: each trainer runs in a server's process (`server.train`: stage 0's
+    first), on that server's DHT peer and p2p daemon. Its calls to its own server go straight to the
+    servicer, so none of their bytes cross the wire; its calls to the other servers do."""
+    cfg = small_config(tmp_path, "local.trainers_in_servers=true", "local.layout=[1, 2]")
+    summary = run_swarm(LocalSwarm(cfg))
+
+    assert summary["microbatches_failed"] == 0
+    assert summary["final_loss"] < LEARNED_LOSS < summary["first_loss"], summary
+    for stage, info in summary["stages"].items():
+        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+    assert not list((tmp_path / "logs").glob("trainer-*.log"))  # no process of their own
+    peers = tmp_path / "peers"
+    trainers = [json.loads(next(peers.glob(f"trainer-{i}-*.json")).read_text()) for i in (0, 1)]
+    hosts = [json.loads(next(peers.glob(f"server-s{k}-*{t['peer_id'][-8:]}.json")).read_text()) for k, t in
+             zip((0, 1), trainers, strict=True)]
+    assert [h["peer_id"] for h in hosts] == [t["peer_id"] for t in trainers]
+    # trainer 0 lives in the only stage-0 server: its stage-0 forwards' outputs and backwards' gradients
+    # never crossed the wire, while its stage-1 calls did, both ways
+    first = trainers[0]["traffic"]
+    assert first["activations"]["received"] == 0 and first["gradients"]["sent"] == 0
+    assert first["activations"]["sent"] > 0 and first["gradients"]["received"] > 0
+    # trainer 1, in a stage-1 server, reached stage 0 over the network
+    assert trainers[1]["traffic"]["activations"]["received"] > 0

@@ -43,6 +43,11 @@ class ServerConfig:
     # checkpoint of it can be reached: the stage's training so far is lost (every peer's summary says so).
     # Without it such a server waits for a copy to appear.
     fresh_start: bool = False
+    # also run a trainer (the `trainer` section's settings) in this process, as the first rank of a fixed
+    # pipeline feeds the data: the machine then runs one DHT peer and one p2p daemon for both roles, not two,
+    # and the trainer's calls to this server skip the network. The trainer's end does not end the server;
+    # its failure does. Its metrics, if any, are served on net.metrics_port + 1.
+    train: bool = False
     # Bounds on what one peer may send, so that its poison never reaches the weights (0: no bound). A
     # request's grad_outputs with a larger L2 norm is refused, and so is an all-reduce contribution whose
     # norm per sample is larger; a request's activations may not hold a value of larger magnitude.
@@ -197,6 +202,10 @@ class LocalSwarmConfig:
     # trainers start once every server launched is in the DHT, as the ranks of a fixed pipeline meet before
     # it trains (else at once: servers join as they come up, and the swarm rebalances around the late ones)
     trainers_wait: bool = False
+    # each trainer runs inside a server's process (`server.train`; stage 0's servers first, in start order)
+    # instead of in one of its own, as a fixed pipeline's first rank feeds the data: one DHT peer and one p2p
+    # daemon fewer per trainer. The trainers then start with their servers.
+    trainers_in_servers: bool = False
     threads_per_peer: int = 1
     # threads of each peer's libp2p daemon (Go's GOMAXPROCS; 0: Go's default, one per core). Daemons of peers
     # sharing a machine, each with a thread per core, spin for work on the cores the compute needs: the
@@ -221,6 +230,8 @@ class LocalSwarmConfig:
         require(all(d >= 0 for d in self.reply_delays), "local.reply_delays",
                  f"must be >= 0, got {list(self.reply_delays)}")
         require(self.trainers > 0, "local.trainers", "must be positive")
+        require(not (self.trainers_in_servers and self.trainers_wait), "local.trainers_wait",
+                "trainers inside servers (local.trainers_in_servers) start with their servers: set one of the two")
         require(self.threads_per_peer > 0, "local.threads_per_peer", "must be positive")
         require(self.server_cpus >= 0, "local.server_cpus", f"must be >= 0, got {self.server_cpus}")
         require(self.link_mbit >= 0, "local.link_mbit", f"must be >= 0, got {self.link_mbit}")

@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any, AsyncIterator, Protocol  # noqa: UP035  hivemind recognises streams only by typing's alias
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from swarm.net.directory import short
@@ -126,14 +126,17 @@ class StageServicer(ServicerBase):
     async def _serve_admitted(self, handler: Handler, name: str, requests: Requests, context: P2PContext,
                               caller: str) -> Responses:
         """One call within its caller's limit: decode, handle, encode the reply or the error."""
-        if self.delay:
+        me = context.local_id.to_base58()
+        remote = caller != me  # else a call of this process's own trainer (`serve_local`): no network between
+        traffic = self.traffic if remote else None
+        if remote and self.delay:
             await asyncio.sleep(self.delay)
-        if self.faults is not None:
+        if remote and self.faults is not None:
             await self.faults.apply(name)
         try:
-            admit = None if self.secret is None else partial(self._admit, caller, context.local_id.to_base58())
+            admit = None if self.secret is None else partial(self._admit, caller, me)
             # codec work, both ways, on worker threads: the event loop also renews this server's DHT records
-            meta, tensors = await decode(requests, self.handler.max_request_bytes, self.traffic, admit)
+            meta, tensors = await decode(requests, self.handler.max_request_bytes, traffic, admit)
             meta, items = await handler(meta, tensors, caller)
             reply: Reply = meta, await packed(items, self.policy)
         except NotMember:
@@ -151,8 +154,13 @@ class StageServicer(ServicerBase):
             if self.quiet.admit(FAILURES):  # a bug a peer can trigger at will: its traceback, a few a minute
                 log.exception("handler %s failed", name)
             reply = {"error": f"{type(e).__name__}: {e}", "refused": False}, []
-        for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, self.traffic):
+        for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, traffic):
             yield msg
+
+    def serve_local(self, method: str, requests: Requests, me: PeerID) -> Responses:
+        """A call from this process's own trainer (peer id `me`, the server's), served as one from the network
+        would be (the same limits, checks and framing), minus the network: no p2p daemon in between."""
+        return getattr(self, f"rpc_{method}")(requests, P2PContext(f"{type(self).__name__}.rpc_{method}", me, me))
 
     def _admit(self, caller: str, me: str, meta: dict[str, Any]) -> None:
         if not self.secret.admits(caller, me, meta.pop(AUTH_KEY, None)):

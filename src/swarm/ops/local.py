@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from swarm.config import SwarmConfig, replace, to_toml
+from swarm.config import ConfigError, SwarmConfig, replace, to_toml
 from swarm.net.directory import Directory
 from swarm.net.node import start_dht
 from swarm.ops import netlab
@@ -80,6 +80,7 @@ class LocalSwarm:
         self._counter = 0
         self.lab: NetLab | None = None
         self.shares: list[CpuShare] = []
+        self.hosted: dict[int, Peer] = {}  # trainer index -> the server whose process runs it (`server.train`)
 
     # ---- starting peers ----------------------------------------------------------------------
 
@@ -140,19 +141,29 @@ class LocalSwarm:
         (self.run_dir / "peers.json").write_text(json.dumps(registry, indent=1))
 
     def start(self) -> None:
+        loc = self.cfg.local
+        layout = start_layout(self.cfg)
+        if loc.trainers_in_servers and loc.trainers > sum(layout):
+            raise ConfigError(f"local.trainers: {loc.trainers} trainers inside servers (local.trainers_in_servers) "
+                              f"need as many servers; {sum(layout)} start")
         self.start_bootstrap()
-        slowdowns, delays = iter(self.cfg.local.slowdowns), iter(self.cfg.local.reply_delays)
-        for stage, count in enumerate(start_layout(self.cfg)):
+        slowdowns, delays = iter(loc.slowdowns), iter(loc.reply_delays)
+        hosted = iter(range(loc.trainers if loc.trainers_in_servers else 0))
+        for stage, count in enumerate(layout):
             for _ in range(count):
                 slowdown, delay = next(slowdowns, 1.0), next(delays, 0.0)
                 # held to a CPU share, a slower machine is a smaller share; else the server idles itself
-                slowed = slowdown != 1.0 and not self.cfg.local.server_cpus
+                slowed = slowdown != 1.0 and not loc.server_cpus
                 overrides = ((f"server.slowdown={slowdown}",) if slowed else ()) + (
                     (f"server.reply_delay={delay}",) if delay else ())
-                self.add_server(stage, overrides, slowdown=slowdown)
-        if self.cfg.local.trainers_wait:
+                if (index := next(hosted, None)) is not None:
+                    overrides += ("server.train=true", f"trainer.index={index}")
+                server = self.add_server(stage, overrides, slowdown=slowdown)
+                if index is not None:
+                    self.hosted[index] = server
+        if loc.trainers_wait:
             asyncio.run(self._wait_for_servers())
-        for index in range(self.cfg.local.trainers):
+        for index in range(0 if loc.trainers_in_servers else loc.trainers):
             self.add_trainer(index)
 
     def start_bootstrap(self) -> None:
@@ -223,6 +234,10 @@ class LocalSwarm:
     def trainers(self) -> list[Peer]:
         return [p for p in self.peers if p.role == "trainer"]
 
+    def _trained(self, index: int) -> bool:
+        """Whether the trainer of that index, inside a server's process, is over: it wrote its summary."""
+        return any((self.run_dir / "peers").glob(f"trainer-{index}-*.json"))
+
     def _wait(self, condition, timeout: float, what: str, peer: Peer | None = None) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
@@ -292,12 +307,13 @@ class LocalSwarm:
                     f"loss {status.loss:.3f} | {rate:.1f} samples/s | servers/stage "
                     + "/".join(str(len(status.epochs.get(k, []))) for k in range(self.cfg.model.num_stages))
                 )
-                for p in self.trainers():
+                for p in [*self.trainers(), *self.hosted.values()]:
                     # SIGKILL is how a machine vanishes (a fault injected): the others carry on
                     if p.process.poll() not in (None, 0, -signal.SIGKILL):
                         code, tail = p.process.returncode, p.log_tail()
                         raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
-                trainers_over = all(not p.alive() for p in self.trainers())
+                trainers_over = all(not p.alive() for p in self.trainers()) and all(
+                    not p.alive() or self._trained(index) for index, p in self.hosted.items())
                 stages_even = all(len(set(e)) == 1 for e in status.epochs.values() if e)
                 if trainers_over and status.pending == 0 and stages_even:
                     return status

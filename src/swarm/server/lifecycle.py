@@ -14,7 +14,7 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -33,6 +33,7 @@ from swarm.net.node import visible_addresses
 from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import StageServicer
+from swarm.net.transport import StageClient
 from swarm.ops.cpushare import quota_cores
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
@@ -46,6 +47,7 @@ from swarm.server.stage import ServedStage
 from swarm.server.stepping import Stepper
 from swarm.server.transfer import StateTransfer
 from swarm.supervise import supervised
+from swarm.trainer.trainer import Trainer
 
 log = logging.getLogger("swarm.server")
 
@@ -134,6 +136,8 @@ class StageServer:
         self.handlers.backups = self.keeper
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
         lagging = asyncio.create_task(self.lag.loop())
+        training = asyncio.create_task(self._train_here()) if cfg.server.train else None
+        failure = None
         try:
             stage, previous = cfg.server.stage, -1
             if cfg.server.auto_stage:
@@ -148,6 +152,26 @@ class StageServer:
         finally:
             keeping.cancel()
             lagging.cancel()
+            if training is not None:  # stopped with the server (`self.stop`): its last calls and summary
+                await asyncio.wait([training], timeout=cfg.server.leave_timeout)
+                training.cancel()
+                (failure,) = await asyncio.gather(training, return_exceptions=True)
+        if isinstance(failure, Exception):
+            raise failure
+
+    async def _train_here(self) -> None:
+        """The trainer of `server.train`: on this server's DHT peer, with a client of its own whose calls to
+        this server go straight to its servicer. Stopped with the server; its failure stops the server."""
+        cfg = self.cfg
+        port = cfg.net.metrics_port
+        trainer = Trainer(replace(cfg, net=replace(cfg.net, metrics_port=port + 1 if port else 0)))
+        client = StageClient(self.peer.p2p, self.peer.faults, cfg.wire.policy(), trainer.traffic,
+                             cfg.net.emulated_rtt_ms / 2000, self.peer.secret, local=self.servicer)
+        try:
+            await trainer.train(self.stop, replace(self.peer, client=client))
+        except BaseException:
+            self.stop.set()
+            raise
 
     def _serving_stage(self) -> int | None:
         return self.stage.index if self.stage is not None and self.stage.serving else None

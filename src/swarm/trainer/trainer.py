@@ -32,7 +32,7 @@ from swarm.exiting import STOP_MARGIN, deadline
 from swarm.metrics import Figure, MetricsEndpoint, peer_figures
 from swarm.net.directory import short
 from swarm.net.lifeline import CutOff
-from swarm.net.peer import join
+from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
 from swarm.results import PeerResults
 from swarm.supervise import supervised
@@ -81,14 +81,20 @@ class Trainer:
 
     # ---- the training loop -------------------------------------------------------------------
 
-    async def train(self, stop: asyncio.Event | None = None) -> None:
+    async def train(self, stop: asyncio.Event | None = None, host: SwarmPeer | None = None) -> None:
         """Train until the target steps (or SIGTERM, which lets the microbatches already accumulating
-        finish and their gradients settle; SIGINT or `stop` ends at once)."""
+        finish and their gradients settle; SIGINT or `stop` ends at once).
+
+        `host`: the swarm peer of the server this trainer runs inside (`server.train`), with a client of
+        this trainer's own: the process's signals, DHT peer and life are the server's. Without it the
+        trainer joins the swarm as a peer of its own."""
         self.stop = stop or asyncio.Event()
         self.draining = False
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
-        self.table = table = load_samples(self.cfg.data, self.cfg.model)
-        peer = await join(self.cfg.net, self.cfg.wire, self.traffic, serving=False)
+        if host is None:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
+        # (off the event loop: inside a server, that loop answers calls and renews the server's records)
+        self.table = table = await asyncio.to_thread(load_samples, self.cfg.data, self.cfg.model)
+        peer = host or await join(self.cfg.net, self.cfg.wire, self.traffic, serving=False)
         self.peer_id, self.directory = peer.peer_id, peer.directory
         self.feed = DataFeed(table, peer.directory, peer.peer_id, self.cfg.data, self.tc.microbatch_size, self.rng)
         period = self.cfg.net.announce_period
@@ -113,7 +119,8 @@ class Trainer:
             self.board.close()
             await self._release_blocks()
             self._write_summary()
-            peer.leave()
+            if host is None:
+                peer.leave()
 
     async def _release_blocks(self) -> None:
         """What is left of its data blocks goes to the next trainer at once, not when its lease lapses."""
