@@ -11,7 +11,9 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
 - fault-free: the single process (`baseline()` of benchmarks/throughput.py, all cores in one process);
   GPipe and 1F1B (benchmarks/torchpipe.py: one process per stage, one thread each, gloo on 127.0.0.1,
   each rank building its own stage of `swarm.model` as a swarm server does); the local swarm of one
-  server per stage and one trainer. Every run is timed after its first optimizer step (the swarm's:
+  server per stage and one trainer, twice: "swarm", the trainer in a process of its own, and
+  "swarm+train", the trainer inside the stage-0 server's process (`local.trainers_in_servers`), as
+  torch's first rank feeds its own data. Every run is timed after its first optimizer step (the swarm's:
   once every stage has taken it). The swarm's rate is given to its end and, besides, until its trainer
   stopped starting microbatches: what follows is the one drain of the whole run, which a pipeline
   schedule pays at every step (its bubble, counted in torch's rates).
@@ -73,6 +75,8 @@ ISSUE_MODEL = [
 # processes) is held to its share, so that a slow or stalled one does not hand its cores to the others
 CPU_PER_WORKER = 0.45
 FOUR = ["local.layout=[2, 2]", "trainer.max_inflight=12", f"local.server_cpus={CPU_PER_WORKER}"]
+# the trainer inside the stage-0 server's process, started with it (it waits for the stages it calls)
+HOSTED = ["local.trainers_in_servers=true", "local.trainers_wait=false"]
 SLOWDOWN = 3.0
 KILL_AT = 2  # timed steps before the kill
 
@@ -220,6 +224,7 @@ def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict
     for name in ("gpipe", "1f1b"):
         results[name] = torch_pipeline(overrides, PipelineRun(name, steps))
     results["swarm"] = swarm_run(overrides, steps, run_dir)
+    results["swarm+train"] = swarm_run([*overrides, *HOSTED], steps, run_dir)
     return results
 
 
@@ -249,7 +254,7 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
     """One JSON line per run, then a table with ratios to the scenario's reference (and the single process)."""
     reference = results[SCENARIOS[scenario][1]]["samples_per_second"]
     print(f"\n{scenario}")
-    print(f"{'run':<10} {'samples/s':>10} {'GFLOP/s':>8} {'vs single':>10} {'vs ref':>7}   loss")
+    print(f"{'run':<12} {'samples/s':>10} {'GFLOP/s':>8} {'vs single':>10} {'vs ref':>7}   loss")
     for name, r in results.items():
         r["gflops"] = r["samples_per_second"] * flops / 1e9
         r["vs_ref"] = r["samples_per_second"] / reference if reference else None
@@ -257,17 +262,17 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
         print(json.dumps({"scenario": scenario, "run": name, **r}), file=sys.stderr)
         loss = f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}" if "first_loss" in r else "-"
         vs_single = f"{r['vs_single']:.3f}" if r["vs_single"] is not None else "-"
-        print(f"{name:<10} {r['samples_per_second']:>10.2f} {r['gflops']:>8.2f} {vs_single:>10} "
+        print(f"{name:<12} {r['samples_per_second']:>10.2f} {r['gflops']:>8.2f} {vs_single:>10} "
               f"{r['vs_ref'] or 0:>7.3f}   {loss}")
         if r.get("undrained_samples_per_second"):
             undrained = r["undrained_samples_per_second"]
             r["undrained_vs_ref"] = undrained / reference if reference else None
-            print(f"{'':<10} {undrained:>10.2f}   until its trainer stopped starting microbatches: "
+            print(f"{'':<12} {undrained:>10.2f}   until its trainer stopped starting microbatches: "
                   f"{r['undrained_vs_ref'] or 0:.3f} x the reference")
         if r.get("cores"):
             cores = {k: v for k, v in r["cores"].items() if k != "seconds"}
             rest = sorted(((k, v) for k, v in cores.items() if k != "compute threads"), key=lambda kv: -kv[1])
-            print(f"{'':<10} cores ({r['cores']['seconds']:.0f}s of the timed run): "
+            print(f"{'':<12} cores ({r['cores']['seconds']:.0f}s of the timed run): "
                   f"{cores.get('compute threads', 0):.2f} compute threads, {sum(v for _, v in rest):.2f} the rest: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in rest))
         if "ended" in r:

@@ -233,3 +233,16 @@ def test_server_stage_flag_takes_a_number_or_auto(flag: str, auto: bool, stage: 
 
     cfg = _config(_parser().parse_args(["server", "--stage", flag, "--set", "model.num_stages=3"]))
     assert (cfg.server.auto_stage, cfg.server.stage) == (auto, stage)
+
+
+def test_server_train_flag_runs_a_trainer_in_the_servers_process() -> None:
+    from swarm.cli.main import _config, _parser
+
+    cfg = _config(_parser().parse_args(["server", "--stage", "0", "--train", "--index", "3"]))
+    assert cfg.server.train and cfg.trainer.index == 3
+    assert not _config(_parser().parse_args(["server", "--stage", "0"])).server.train
+
+
+def test_trainers_inside_servers_cannot_also_wait_for_the_servers() -> None:
+    with pytest.raises(ConfigError, match="local.trainers_wait"):
+        load_config(overrides=["local.trainers_in_servers=true", "local.trainers_wait=true"])

@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh-stage", action="store_true",
                    help="serve the stage from its initial weights even mid-run when no replica or copy of it is "
                         "left (its training so far is lost); without it such a server waits for a copy")
+    p.add_argument("--train", action="store_true",
+                   help="also feed microbatches through the swarm from this process, as `swarm trainer` would "
+                        "(its settings, --index included): one DHT peer and p2p daemon for both roles")
+    p.add_argument("--index", type=int, help="with --train: a number naming the trainer's summary")
     _metered(p)
     p = sub.add_parser("backup", help="hold a copy of every stage's state, for stages that lose all replicas")
     _common(p)
@@ -144,6 +148,8 @@ def _config(args: argparse.Namespace) -> SwarmConfig:
     overrides = list(args.overrides)
     if getattr(args, "fresh_stage", False):
         overrides.append("server.fresh_start=true")
+    if getattr(args, "train", False):
+        overrides.append("server.train=true")
     if getattr(args, "stage", None) == "auto":
         overrides.append("server.auto_stage=true")
         args.stage = None
