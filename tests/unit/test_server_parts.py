@@ -200,6 +200,36 @@ def test_a_queued_forward_whose_caller_gave_up_is_answered_as_expired_and_not_co
     run(scenario())
 
 
+def test_a_backward_goes_before_the_forwards_queued_ahead_of_it():
+    """As in 1F1B: the backward finishes a microbatch whose graph only this server holds; a forward kept
+    waiting can go elsewhere at no cost (see swarm.server.turns)."""
+    async def scenario():
+        gate = ComputeGate(1.0, False)
+        handlers, st = served(0, gate)
+        order, runtime = [], st.runtime
+        for name in ("forward", "backward"):
+            real = getattr(runtime, name)
+            setattr(runtime, name, lambda *a, real=real, name=name, **k: (order.append(name), real(*a, **k))[1])
+        batcher = asyncio.create_task(handlers.batcher.loop())
+        ids = torch.randint(0, 256, (2, 16))
+        await handlers.forward(call(stage=0, req="old"), [ids], ID["caller"])
+        holder, release = await _hold_thread(gate, samples=1)
+        new = asyncio.create_task(handlers.forward(call(stage=0, req="new"), [ids], ID["caller"]))
+        while gate.queued < 1:
+            await asyncio.sleep(0.01)
+        old = asyncio.create_task(handlers.backward(call(stage=0, req="old"), [ids, torch.randn(2, 16, 32)],
+                                                    ID["caller"]))
+        while gate.queued < 2:
+            await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(holder, new, old)
+        assert order == ["forward", "backward", "forward"]
+        assert st.runtime.recomputed_backwards == 0 and st.runtime.fast_backwards == 1
+        batcher.cancel()
+        gate.close()
+    run(scenario())
+
+
 def test_a_call_without_a_timeout_never_expires():
     deadline = Deadline.of(StageCall.from_meta(call()))
     assert deadline.arrival_bound == math.inf and deadline.wall == math.inf and not deadline.passed()

@@ -16,6 +16,7 @@ import torch
 from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.records import BatchGraph
 from swarm.server.runtime import StageRuntime
+from swarm.server.turns import SOON
 from swarm.wire.validate import Unavailable
 
 log = logging.getLogger("swarm.server")
@@ -127,7 +128,7 @@ class Batcher:
             return  # already run
         grads = {key: dy for key, (dy, _) in waiting.items()}
         try:
-            async with self.gate.lock:
+            async with self.gate.lock.turn(SOON):
                 if self.runtime.live_graph(next(iter(grads))) is not graph:
                     results = dict.fromkeys(grads, RECOMPUTE)
                 else:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.server.backlog import Backlog
-from swarm.server.turns import TurnLock
+from swarm.server.turns import IN_TURN, TurnLock
 from swarm.wire.calls import StageCall
 from swarm.wire.validate import Unavailable
 
@@ -81,11 +81,12 @@ class ComputeGate:
         return self.backlog.wait(time.monotonic())
 
     async def run(self, fn, *args, expires: Deadline | None = None, before: Callable[[], Any] | None = None,
-                  work: str | None = None, samples: int = 0):
-        """Run `fn(*args)` once the thread is free; `before` runs first, under the lock."""
+                  work: str | None = None, samples: int = 0, rank: int = IN_TURN):
+        """Run `fn(*args)` once the thread is free and no turn ranked ahead of this one waits (`rank`: see
+        `swarm.server.turns`); `before` runs first, under the lock."""
         token = self.backlog.enqueue(work, samples)
         try:
-            async with self.lock:
+            async with self.lock.turn(rank):
                 self.backlog.leave(token)
                 if expires is not None and expires.passed():
                     raise Unavailable("the request expired while it queued")

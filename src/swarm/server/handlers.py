@@ -28,6 +28,7 @@ from swarm.server.batching import RECOMPUTE, Batcher
 from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.replies import Reply, ReplyCache
 from swarm.server.stage import ServedStage
+from swarm.server.turns import IN_TURN, SOON
 from swarm.wire.calls import LedgerQuery, StageCall, StageQuery
 from swarm.wire.validate import (
     IGNORE_INDEX,
@@ -198,9 +199,11 @@ class StageHandlers:
         if accumulate and graph is not None and graph.size > 1:
             grad = await self.batcher.backward(graph, key, dy)
         if grad is RECOMPUTE:
+            # ahead of the forwards waiting where it finishes a graph kept here; a recomputation is new work
+            # (and one a peer could send at will, to keep others' forwards waiting)
             grad = await self.gate.run(
                 st.runtime.backward, key, x, dy, accumulate, expires=Deadline.of(call), before=st.drop_if_lapsed,
-                work="backward", samples=x.shape[0],
+                work="backward", samples=x.shape[0], rank=SOON if graph is not None and graph.size == 1 else IN_TURN,
             )
         await self._delay_reply(st, "backward")
         return self._remember_gradient_reply(st, key, {}, grad)
