@@ -215,7 +215,7 @@ def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | Non
         return None
     cfg = load_config(overrides=overrides)
     return {"single": {"samples_per_second": baseline(cfg, steps, "cuda")},
-            "swarm": swarm_run([*overrides, 'server.device="cuda"'], steps, run_dir)}
+            "swarm": swarm_run([*overrides, 'server.device="cuda"'], steps, f"{run_dir}/swarm")}
 
 
 def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
@@ -223,8 +223,8 @@ def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict
     results = {"single": {"samples_per_second": baseline(cfg, steps)}}
     for name in ("gpipe", "1f1b"):
         results[name] = torch_pipeline(overrides, PipelineRun(name, steps))
-    results["swarm"] = swarm_run(overrides, steps, run_dir)
-    results["swarm+train"] = swarm_run([*overrides, *HOSTED], steps, run_dir)
+    results["swarm"] = swarm_run(overrides, steps, f"{run_dir}/swarm")
+    results["swarm+train"] = swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train")
     return results
 
 
@@ -232,7 +232,8 @@ def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]
     return {
         "1f1b 2x2": torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN,
                                                               cpus=CPU_PER_WORKER)),
-        "swarm 2x2": swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"], steps, run_dir),
+        "swarm 2x2": swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"], steps,
+                               f"{run_dir}/swarm"),
     }
 
 
@@ -241,8 +242,8 @@ def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
                                                    cpus=CPU_PER_WORKER))
     return {
         "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
-        "swarm 2x2": swarm_run([*overrides, *FOUR], steps, run_dir, kill_stage=1),
-        "swarm 2+1": swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps, run_dir),
+        "swarm 2x2": swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1),
+        "swarm 2+1": swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps, f"{run_dir}/swarm-2+1"),
     }
 
 
@@ -290,7 +291,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="times each scenario runs; medians of ratios last")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps in each run, after one warm-up")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--run-dir", default="runs/bench-peers")
+    parser.add_argument("--run-dir", default="runs/bench-peers",
+                        help="each swarm run's logs and summaries go to RUN_DIR/SCENARIO-REPEAT/RUN")
     args = parser.parse_args()
     overrides = [*ISSUE_MODEL, *args.overrides]
     cfg = load_config(overrides=overrides)
@@ -302,9 +304,10 @@ def main() -> None:
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     ratios: dict[tuple[str, str], list[float]] = {}
     single = None
-    for _ in range(args.repeat):
+    for repeat in range(1, args.repeat + 1):
         for name in names:
-            results = SCENARIOS[name][0](overrides, args.steps, args.run_dir)
+            # each run's logs and summaries kept apart, for a look at any of them afterwards
+            results = SCENARIOS[name][0](overrides, args.steps, f"{args.run_dir}/{name}-{repeat}")
             if results is None:
                 print(f"\n{name}: skipped, torch sees no CUDA device on this machine")
                 continue
