@@ -46,7 +46,8 @@ class ServerConfig:
     # also run a trainer (the `trainer` section's settings) in this process, as the first rank of a fixed
     # pipeline feeds the data: the machine then runs one DHT peer and one p2p daemon for both roles, not two,
     # and the trainer's calls to this server skip the network. The trainer's end does not end the server;
-    # its failure does. Its metrics, if any, are served on net.metrics_port + 1.
+    # its failure does. A stopped server lets it finish its microbatches under way (up to leave_timeout more).
+    # Its metrics, if any, are served on net.metrics_port + 1.
     train: bool = False
     # Bounds on what one peer may send, so that its poison never reaches the weights (0: no bound). A
     # request's grad_outputs with a larger L2 norm is refused, and so is an all-reduce contribution whose

@@ -103,8 +103,10 @@ class StageServer:
             torch.set_num_threads(cfg.server.threads)
         self.stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        # leaving takes up to leave_timeout to finish accepted work, then a checkpoint and the DHT's goodbye
-        on_stop_signals(loop, self.stop.set, cfg.server.leave_timeout + STOP_MARGIN, f"server {self.label}")
+        # leaving takes up to leave_timeout to finish accepted work, then a checkpoint and the DHT's goodbye;
+        # a trainer here then has as long again to finish its microbatches under way
+        leaving = cfg.server.leave_timeout * (2 if cfg.server.train else 1)
+        on_stop_signals(loop, self.stop.set, leaving + STOP_MARGIN, f"server {self.label}")
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self.lag = LoopLag()  # how long the event loop was kept from running (in the summary)
         # under a CPU quota the quota is the machine: time spent throttled is what the work costs there
@@ -136,7 +138,11 @@ class StageServer:
         self.handlers.backups = self.keeper
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
         lagging = asyncio.create_task(self.lag.loop())
-        training = asyncio.create_task(self._train_here()) if cfg.server.train else None
+        port = cfg.net.metrics_port
+        trainer = Trainer(replace(cfg, net=replace(cfg.net, metrics_port=port + 1 if port else 0))) \
+            if cfg.server.train else None
+        ended = asyncio.Event()  # the trainer's end at once
+        training = asyncio.create_task(self._train_here(trainer, ended)) if trainer is not None else None
         failure = None
         try:
             stage, previous = cfg.server.stage, -1
@@ -144,6 +150,8 @@ class StageServer:
                 stage = await least_served_stage(self.peer.directory, cfg.model.num_stages, self.hash, self.label)
             while (jobs := await self._enter(stage, previous)) is not None:
                 target = await self._serve_until_stop_or_move(jobs)
+                if target is None and trainer is not None:
+                    trainer.finish()  # as SIGTERM tells a trainer of its own: it winds down while the server leaves
                 await self._leave(jobs, target)
                 if target is None:
                     break
@@ -152,23 +160,24 @@ class StageServer:
         finally:
             keeping.cancel()
             lagging.cancel()
-            if training is not None:  # stopped with the server (`self.stop`): its last calls and summary
-                await asyncio.wait([training], timeout=cfg.server.leave_timeout)
+            if training is not None:
+                trainer.finish()
+                await asyncio.wait([training], timeout=cfg.server.leave_timeout)  # its microbatches under way
+                ended.set()  # then at once: its last calls and its summary
+                await asyncio.wait([training], timeout=STOP_MARGIN / 3)
                 training.cancel()
                 (failure,) = await asyncio.gather(training, return_exceptions=True)
         if isinstance(failure, Exception):
             raise failure
 
-    async def _train_here(self) -> None:
+    async def _train_here(self, trainer: Trainer, ended: asyncio.Event) -> None:
         """The trainer of `server.train`: on this server's DHT peer, with a client of its own whose calls to
-        this server go straight to its servicer. Stopped with the server; its failure stops the server."""
+        this server go straight to its servicer. Its failure stops the server."""
         cfg = self.cfg
-        port = cfg.net.metrics_port
-        trainer = Trainer(replace(cfg, net=replace(cfg.net, metrics_port=port + 1 if port else 0)))
         client = StageClient(self.peer.p2p, self.peer.faults, cfg.wire.policy(), trainer.traffic,
                              cfg.net.emulated_rtt_ms / 2000, self.peer.secret, local=self.servicer)
         try:
-            await trainer.train(self.stop, replace(self.peer, client=client))
+            await trainer.train(ended, replace(self.peer, client=client))
         except BaseException:
             self.stop.set()
             raise

@@ -70,6 +70,7 @@ class Trainer:
         self._requeued: list[tuple[torch.Tensor, Piece]] = []  # batches whose forward failed: retried whole
         self._forwarding: set[asyncio.Task] = set()  # microbatches not accumulated anywhere yet
         self.given_up = 0  # microbatches given up on their way forward when the run was over
+        self.draining = False  # (`finish`: possibly before `train` has begun, in a server stopping early)
         self.stopped_starting: float | None = None  # when the trainer started its last microbatch
         # what /metrics and TensorBoard show: the figures the swarm sees in its last announcement
         self.metrics = MetricsEndpoint(cfg.net, "trainer")
@@ -89,7 +90,6 @@ class Trainer:
         this trainer's own: the process's signals, DHT peer and life are the server's. Without it the
         trainer joins the swarm as a peer of its own."""
         self.stop = stop or asyncio.Event()
-        self.draining = False
         if host is None:
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._drain)
         # (off the event loop: inside a server, that loop answers calls and renews the server's records)
@@ -213,11 +213,17 @@ class Trainer:
         return self.stop.is_set() or self.draining or self._step() >= self.tc.target_steps
 
     def _drain(self) -> None:
+        """SIGTERM to a trainer of its own: `finish`, within a bound after which the process ends."""
         if not self.draining:
-            log.info("trainer stopping: finishing the microbatches in flight")
             # the last calls in flight, then the stages' confirmation of every gradient, bound the drain
             bound = 2 * self.tc.request_timeout + self.tc.settle_timeout + STOP_MARGIN
             deadline(bound, f"trainer …{getattr(self, 'peer_id', '')[-6:]}", asyncio.get_running_loop())
+        self.finish()
+
+    def finish(self) -> None:
+        """Start no more microbatches; let those already accumulating finish and their gradients settle."""
+        if not self.draining:
+            log.info("trainer stopping: finishing the microbatches in flight")
         self.draining = True
 
     async def _microbatch(self, batch: torch.Tensor, piece: Piece) -> None:
