@@ -76,4 +76,4 @@ async def _serve(cfg: SwarmConfig) -> None:
             "role": "backup", "peer_id": peer.peer_id, "alive_seconds": time.time() - started,
             "traffic": traffic.as_dict(), **keeper.summary(),
         }, indent=1)
-        peer.leave()
+        await peer.leave()

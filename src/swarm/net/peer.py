@@ -35,7 +35,11 @@ class SwarmPeer:
     secret: SwarmSecret | None  # a private swarm's (see swarm.net.secret)
     sign: ReceiptSigner  # this peer's receipts for the gradients it hands replicas (see swarm.net.receipts)
 
-    def leave(self) -> None:
+    async def leave(self) -> None:
+        """Close this process's connection to the p2p daemon (which removes the socket it listened on for
+        calls: left behind, one file per peer that ever served piles up in the temp directory), then the DHT
+        peer with its daemon."""
+        await self.p2p.shutdown()
         self.dht.shutdown()
 
     async def guard(self, work: Awaitable[T], *watchers: Awaitable[None]) -> T:

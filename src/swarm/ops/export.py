@@ -103,7 +103,7 @@ async def _download(cfg: SwarmConfig) -> dict[int, StageState]:
                                   "was not the one the stage's replicas announce)")
         return states
     finally:
-        peer.leave()
+        await peer.leave()
 
 
 def write_hf(cfg: SwarmConfig, states: dict[int, StageState], out: Path) -> None:

@@ -122,7 +122,7 @@ class StageServer:
             self.metrics.close()
             self._write_summary()
             self.gate.close()
-            self.peer.leave()
+            await self.peer.leave()
 
     async def _serve_stages(self) -> None:
         """Serve a stage, and the next one the mover picks, until stopped."""

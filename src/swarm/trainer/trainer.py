@@ -120,7 +120,7 @@ class Trainer:
             await self._release_blocks()
             self._write_summary()
             if host is None:
-                peer.leave()
+                await peer.leave()
 
     async def _release_blocks(self) -> None:
         """What is left of its data blocks goes to the next trainer at once, not when its lease lapses."""
