@@ -1,6 +1,7 @@
 """What a call through two p2p daemons costs in CPU, by how it travels: hivemind's unary calls (one persistent
-connection to the daemon, messages up to 4 MiB) against streams (a libp2p stream per call), and a bulk
-transfer (a stage's state) in messages of a given size.
+connection to the daemon, messages up to 4 MiB) against streams (a libp2p stream per call), a bulk transfer
+(a stage's state) in bare messages of a given size, and the same bytes as a `state` call of the swarm's own
+(`StageClient` to `StageServicer`: its framing, checks and joining of parts) with its parts of a given size.
 
     PYTHONPATH=src .venv/bin/python benchmarks/p2p_cost.py [--calls 300] [--kib 512] [--bulk-mib 74]
 
@@ -15,8 +16,14 @@ import asyncio
 import os
 import time
 
+import torch
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
+
+from swarm.net import protocol
+from swarm.net.protocol import Tagged
+from swarm.net.servicer import StageServicer
+from swarm.net.transport import StageClient
 
 CHUNKS_KIB = (4032, 1024, 256)  # message sizes of the bulk transfer: 4032 is the protocol's (swarm.net.protocol)
 
@@ -25,6 +32,22 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class StateServer:
+    """A stage server that only serves its state: `mib` MiB of float32 in four tensors."""
+
+    max_request_bytes = 1 << 20
+
+    def __init__(self, mib: int) -> None:
+        values = mib * 2**20 // 4
+        self.tensors = [torch.randn(values // 4) for _ in range(4)]
+
+    def refused(self, *args) -> None:
+        raise AssertionError("nothing is refused here")
+
+    async def state(self, meta, tensors, caller):
+        return {"epoch": 1}, [Tagged("state", t) for t in self.tensors]
 
 
 def message(cls, payload: bytes):
@@ -95,6 +118,13 @@ async def main(calls: int, kib: int, bulk_mib: int) -> None:
         for chunk in CHUNKS_KIB:
             bulk["chunk"] = os.urandom(chunk * 1024)
             await measure(f"in messages of {chunk} KiB", 3, lambda: streamed("state"), pids)
+        await StageServicer(StateServer(bulk_mib)).add_p2p_handlers(server)
+        stage = StageClient(client)
+        print(f"{bulk_mib} MiB as the swarm's own state call")
+        for chunk in CHUNKS_KIB:
+            protocol.CHUNK_BYTES = chunk * 1024  # (the sender's parts: the receiver takes any size)
+            await measure(f"in parts of {chunk} KiB", 4,
+                          lambda: stage.call(server.peer_id.to_base58(), "state", {}, [], 120), pids)
     finally:
         await client.shutdown()
         await server.shutdown()
