@@ -55,6 +55,12 @@ class StageClient:
         self.local = local
         self.me = p2p.peer_id.to_base58()
 
+    def alongside(self, traffic: Traffic, local: StageServicer) -> StageClient:
+        """A client for another role of this process (a trainer inside a server): the same daemon, fault
+        rules, codecs, emulated delay and secret, its own traffic counts, and calls to this peer served by
+        `local` in process."""
+        return StageClient(self.p2p, self.faults, self.policy, traffic, self.delay, self.secret, local)
+
     async def call(
         self,
         peer_id: str,

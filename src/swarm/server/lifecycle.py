@@ -33,7 +33,6 @@ from swarm.net.node import visible_addresses
 from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import StageServicer
-from swarm.net.transport import StageClient
 from swarm.ops.cpushare import quota_cores
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
@@ -173,9 +172,7 @@ class StageServer:
     async def _train_here(self, trainer: Trainer, ended: asyncio.Event) -> None:
         """The trainer of `server.train`: on this server's DHT peer, with a client of its own whose calls to
         this server go straight to its servicer. Its failure stops the server."""
-        cfg = self.cfg
-        client = StageClient(self.peer.p2p, self.peer.faults, cfg.wire.policy(), trainer.traffic,
-                             cfg.net.emulated_rtt_ms / 2000, self.peer.secret, local=self.servicer)
+        client = self.peer.client.alongside(trainer.traffic, self.servicer)
         try:
             await trainer.train(ended, replace(self.peer, client=client))
         except BaseException:
