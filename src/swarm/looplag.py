@@ -11,7 +11,7 @@ import asyncio
 import resource
 import time
 
-PERIOD = 0.02  # seconds between wake-ups
+PERIOD = 0.05  # seconds between wake-ups: a lag of BLOCKED is measured within half of it
 BLOCKED = 0.1  # a lag this long counts as the loop having been blocked
 
 

@@ -11,7 +11,7 @@ from hivemind.utils import ValueWithExpiration
 from swarm.net import directory as directory_module
 from swarm.net.directory import Directory
 from swarm.net.identity import peer_id_of
-from swarm.wire.records import ServerRecord
+from swarm.wire.records import ServerRecord, stage_key
 
 
 class _DHT:
@@ -54,5 +54,94 @@ def test_a_replica_is_gone_once_a_read_begun_after_its_records_expiry_misses_it(
         assert dht.reads == reads + 1
         await directory.announce_server(records[frozen])  # thawed: renewing again
         assert await directory.lapsed(0, frozenset({frozen})) == frozenset()
+
+    asyncio.run(main())
+
+
+class _SearchingDHT:
+    """Stage keys as the DHT's process finds them: single reads and multi-key searches, each counted; a
+    read can be held open (`gate`) or made to fail once (`fail`)."""
+
+    def __init__(self, values: dict) -> None:
+        self.values, self.gets, self.searches = values, 0, 0
+        self.gate: asyncio.Event | None = None
+        self.fail = False
+
+    async def _found(self, key):
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail:
+            self.fail = False
+            raise TimeoutError("no DHT node answered")
+        return SimpleNamespace(value=self.values.get(key, {}))
+
+    async def get(self, key, latest=True, return_future=True):
+        self.gets += 1
+        return await self._found(key)
+
+    async def run_coroutine(self, coro, return_future=True):
+        self.searches += 1
+        node = SimpleNamespace(get_many=self._get_many)
+        return await coro(self, node)
+
+    async def _get_many(self, keys, sufficient_expiration_time):
+        return {key: await self._found(key) for key in keys}
+
+
+def _stage_values(clock: float) -> tuple[dict, list[str]]:
+    peers = [peer_id_of(Ed25519PrivateKey.generate().public_key()) for _ in range(2)]
+    values = {stage_key("run", k): {p: ValueWithExpiration(ServerRecord(p, k, 1.0, 0, 0, 0, "hash", {}).to_value(),
+                                                           clock + 6.0)}
+              for k, p in enumerate(peers)}
+    return values, peers
+
+
+def test_every_stage_is_read_in_one_search_and_a_recent_read_is_shared_with_its_begin_time(monkeypatch) -> None:
+    """A trainer's view reads every stage in one search of the DHT; the step loop of the server it runs in,
+    reading its own stage within `fresh` of that, takes the same read, with the DHT time the read began
+    (what `lapsed_in` judges by), rather than asking every DHT node again. Without `fresh`, or once the
+    read is older than `fresh`, the stage is read anew."""
+    clock, now = [100.0], [50.0]
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: clock[0])
+    monkeypatch.setattr(directory_module.time, "monotonic", lambda: now[0])
+    values, peers = _stage_values(clock[0])
+    dht = _SearchingDHT(values)
+    directory = Directory(dht, "run", record_ttl=6.0)
+
+    async def main() -> None:
+        layout = await directory.stages(2)
+        assert {k: [r.peer_id for r in rs] for k, rs in layout.items()} == {0: [peers[0]], 1: [peers[1]]}
+        assert (dht.searches, dht.gets) == (1, 0)
+        clock[0], now[0] = 100.4, 50.4
+        found, began = await directory.read_stages([1], fresh=0.5)
+        assert [r.peer_id for r in found[1]] == [peers[1]] and began == 100.0
+        assert (dht.searches, dht.gets) == (1, 0)
+        found, began = await directory.read_stages([1])  # no `fresh`: a read of its own
+        assert began == 100.4 and dht.gets == 1
+        now[0] = 51.0
+        _, began = await directory.read_stages([0], fresh=0.5)  # the shared read is 1 s old
+        assert began == 100.4 and dht.gets == 2
+        assert directory.ops == {"stages": 3}
+
+    asyncio.run(main())
+
+
+def test_readers_share_a_read_under_way_but_not_one_that_failed() -> None:
+    """Two readers wanting a stage at once wait on one read; when that read fails, both see the failure
+    and the next reader reads again rather than taking the failure for the stage's records."""
+    values, peers = _stage_values(directory_module.get_dht_time())
+    dht = _SearchingDHT(values)
+    directory = Directory(dht, "run", record_ttl=6.0)
+
+    async def main() -> None:
+        dht.gate, dht.fail = asyncio.Event(), True
+        first = asyncio.create_task(directory.read_stages([0], fresh=5.0))
+        second = asyncio.create_task(directory.read_stages([0], fresh=5.0))
+        await asyncio.sleep(0)
+        dht.gate.set()
+        results = await asyncio.gather(first, second, return_exceptions=True)
+        assert [type(r) for r in results] == [TimeoutError, TimeoutError] and dht.gets == 1
+        found, _ = await directory.read_stages([0], fresh=5.0)
+        assert [r.peer_id for r in found[0]] == [peers[0]] and dht.gets == 2
 
     asyncio.run(main())

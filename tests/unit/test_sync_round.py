@@ -279,9 +279,9 @@ class _Directory:
         self.reads["trainers"] += 1
         return self.listed
 
-    async def stage(self, index: int) -> list[SimpleNamespace]:
+    async def read_stages(self, stages, fresh: float = 0.0) -> tuple[dict, float]:
         self.reads["stage"] += 1
-        return self.records
+        return {k: self.records for k in stages}, self.now()
 
     def now(self) -> float:
         return time.time()

@@ -7,11 +7,15 @@ seconds; a peer that leaves gracefully writes a tombstone so it drops out at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
+import time
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 
 from hivemind import DHT
+from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 from swarm.core.dataplan import Claim
@@ -43,8 +47,14 @@ class Directory:
         # that which does not list it shows it stopped renewing (`lapsed_in`)
         self.expires: dict[str, float] = {}
         self._unvouched: set[str] = set()  # sources of states refused as unvouched (logged once each)
+        # this peer's DHT operations by what they were for: each is served by several DHT nodes, CPU taken
+        # from every host's compute, so the summary and metrics show the peer's share of the DHT's load
+        self.ops: Counter[str] = Counter()
+        # stage key -> the latest read of it (its monotonic and DHT times begun, its future): see `read_stages`
+        self._shared: dict[str, tuple[float, float, asyncio.Future]] = {}
 
     async def announce_server(self, record: ServerRecord) -> None:
+        self.ops["announce"] += 1
         await self.dht.store(
             stage_key(self.run_id, record.stage),
             record.to_value(),
@@ -59,7 +69,47 @@ class Directory:
 
     async def stage(self, stage: int) -> list[ServerRecord]:
         """Live servers of one stage, malformed and withdrawn entries dropped."""
-        found = await self.dht.get(stage_key(self.run_id, stage), latest=True, return_future=True)
+        return (await self.read_stages([stage]))[0][stage]
+
+    async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
+        """All stages, read in one search of the DHT: each node asked is asked for every stage's key at once,
+        and a node that does not answer delays the view once, not once per stage."""
+        return (await self.read_stages(range(num_stages)))[0]
+
+    async def read_stages(self, stages: Iterable[int], fresh: float = 0.0
+                          ) -> tuple[dict[int, list[ServerRecord]], float]:
+        """Live servers of each of `stages`, and the DHT time the reads that found them began (the earliest,
+        for `lapsed_in`). Readers of one peer that each read stages periodically (a trainer's view and the
+        step loop of the server it runs in) share reads where their needs overlap, rather than each asking
+        every DHT node holding the keys: a stage read within `fresh` seconds, the read done or under way, is
+        not read again. A failed read is not shared."""
+        keys = {k: stage_key(self.run_id, k) for k in stages}
+        now = time.monotonic()
+        reads = {k: self._reusable(key, fresh, now) for k, key in keys.items()}
+        if None in reads.values():
+            self.ops["stages"] += 1
+            began = self.now()
+            search = asyncio.ensure_future(self._search(list(keys.values())))
+            for k, key in keys.items():
+                read = asyncio.ensure_future(_value_of(search, key))
+                read.add_done_callback(_retrieved)
+                reads[k] = (began, read)
+                self._shared[key] = (now, began, read)
+        found = {k: self._live_servers(k, await asyncio.shield(read)) for k, (_, read) in reads.items()}
+        return found, min(began for began, _ in reads.values())
+
+    async def _search(self, keys: list[str]) -> dict:
+        if len(keys) == 1:
+            return {keys[0]: await self.dht.get(keys[0], latest=True, return_future=True)}
+        return await self.dht.run_coroutine(functools.partial(_latest_of, keys), return_future=True)
+
+    def _reusable(self, key: str, fresh: float, now: float) -> tuple[float, asyncio.Future] | None:
+        began, dht_began, read = self._shared.get(key, (-math.inf, 0.0, None))
+        if read is None or now - began > fresh or (read.done() and (read.cancelled() or read.exception())):
+            return None
+        return dht_began, read
+
+    def _live_servers(self, stage: int, found) -> list[ServerRecord]:
         parse = _by_peer(ServerRecord.from_value)
         live = [(r, expires) for r, expires in _entries(found, parse, self.ttl + CLOCK_SLACK)
                 if not r.gone and r.stage == stage]
@@ -102,13 +152,8 @@ class Directory:
                         "%s at epoch %s", stage, short(source), str(digest)[:16], epoch)
         return False
 
-    async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
-        """All stages, read at once: a read that waits on an unresponsive DHT node delays the view once,
-        not once per stage."""
-        found = await asyncio.gather(*(self.stage(k) for k in range(num_stages)))
-        return dict(enumerate(found))
-
     async def announce_trainer(self, record: TrainerRecord, ttl: float | None = None) -> None:
+        self.ops["announce"] += 1
         await self.dht.store(
             trainers_key(self.run_id),
             record.to_value(),
@@ -118,33 +163,54 @@ class Directory:
         )
 
     async def trainers(self) -> list[TrainerRecord]:
+        self.ops["trainers"] += 1
         found = await self.dht.get(trainers_key(self.run_id), latest=True, return_future=True)
         return _parse(found, _by_peer(TrainerRecord.from_value))
 
 
     async def announce_backup(self, record: BackupRecord, ttl: float) -> None:
+        self.ops["announce"] += 1
         await self.dht.store(backup_key(self.run_id, record.stage), record.to_value(),
                              expiration_time=get_dht_time() + ttl, subkey=record.peer_id, return_future=True)
 
     async def backups(self, stage: int) -> list[BackupRecord]:
         """The copies of a stage held outside it (see swarm.core.backups)."""
+        self.ops["backups"] += 1
         found = await self.dht.get(backup_key(self.run_id, stage), latest=True, return_future=True)
         return [r for r in _parse(found, _by_peer(BackupRecord.from_value)) if r.stage == stage]
 
     async def blocks(self, key: str) -> dict[int, Claim]:
         """The block records under one data key (see swarm.core.dataplan): block -> claim."""
+        self.ops["data"] += 1
         found = await self.dht.get(key, latest=True, return_future=True)
         return dict(_parse(found, block_from_value))
 
     async def record_block(self, key: str, block: int, claim: Claim, lifetime: float) -> bool:
         """Publish a block's claim; whether the DHT took it. The newest write wins (hivemind keeps the value
         that expires last), so a claim is read back before it is relied on."""
+        self.ops["data"] += 1
         return await self.dht.store(key, block_value(claim), expiration_time=get_dht_time() + lifetime,
                              subkey=str(block), return_future=True)
 
     def now(self) -> float:
         """DHT time, which leases are measured in."""
         return get_dht_time()
+
+
+async def _latest_of(keys: list[str], _dht: DHT, node: DHTNode) -> dict:
+    """Run in the DHT's process: the latest value of each key, found in one search."""
+    return await node.get_many(keys, sufficient_expiration_time=math.inf)
+
+
+async def _value_of(search: asyncio.Future, key: str):
+    return (await asyncio.shield(search)).get(key)
+
+
+def _retrieved(read: asyncio.Future) -> None:
+    """A shared read that failed is the failure of whoever awaits it; with no one left to, it is not logged
+    as an exception never retrieved."""
+    if not read.cancelled():
+        read.exception()
 
 
 def lapsed_in(expires: Mapping[str, float], peers: Iterable[str], listed: Collection[str], began: float

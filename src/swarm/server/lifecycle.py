@@ -319,6 +319,8 @@ class StageServer:
             "traffic": self.traffic.as_dict(),
             "busy_seconds": self.gate.busy_seconds - st.busy_start,
             "alive_seconds": time.time() - st.started,
+            # this peer's DHT operations by kind (with a trainer inside, the trainer's count here too)
+            "dht_ops": dict(self.peer.directory.ops) if self.peer is not None else {},
             **self.lag.as_dict(),
             "entry": st.entry,  # how it took the stage's state when no replica was left, if it had to
             "fresh_start": st.fresh,

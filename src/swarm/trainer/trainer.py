@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import random
 import signal
 import time
@@ -46,6 +47,7 @@ from swarm.trainer.view import SwarmView, until_next_view
 from swarm.wire.records import TrainerRecord
 
 log = logging.getLogger("swarm.trainer")
+RENEW_PERIODS = 2  # announcement periods between renewals of a trainer's own record
 RELEASE_TIMEOUT = 5.0  # seconds a stopping trainer spends giving its data blocks back
 
 
@@ -290,16 +292,20 @@ class Trainer:
             )
 
     async def _refresh_loop(self) -> None:
-        """The view and our own record once per announcement period, as often as servers renew theirs (a
-        gone server's calls are abandoned within a few views): each read is served by every DHT node
-        holding the stage's key, CPU taken from the compute of every host."""
+        """The view once per announcement period, as often as servers renew their records (a gone server's
+        calls are abandoned within a few views); our own record every RENEW_PERIODS periods, which is all a
+        record living `net.record_ttl` needs, since servers and the launcher read trainers' records seldom.
+        Each read and write is served by every DHT node holding the key, CPU taken from every host's compute."""
+        renewed = -math.inf
         while True:
             waited_on = {peer for _, peer in self.caller.waited_on()}
             await asyncio.sleep(until_next_view(self.cfg.net.announce_period, self.directory, waited_on))
             try:
                 await self.view.refresh(self.directory)
                 self.caller.abandon_gone()
-                await self._announce()
+                if time.monotonic() - renewed >= RENEW_PERIODS * self.cfg.net.announce_period:
+                    renewed = time.monotonic()
+                    await self._announce()
             except Exception as e:
                 log.warning("could not refresh the swarm view: %s", e)
 
@@ -334,6 +340,7 @@ class Trainer:
             "started": self.progress.started,
             "call_seconds": self.caller.call_seconds,
             "traffic": self.traffic.as_dict(),
+            "dht_ops": dict(self.directory.ops),  # this peer's, by kind (inside a server: the server's too)
             "fresh_starts": sorted(self.view.fresh_starts.values(), key=lambda f: f["time"]),
             "completed": [[c.time, c.samples, c.loss, c.epoch, c.req] for c in self.progress.completed],
             "data": {"blocks_taken": self.feed.taken, "low_pass": self.feed.low_pass, "dropped": self.feed.dropped,
