@@ -117,12 +117,25 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
               "given_up": collected["microbatches_given_up"],
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
                                           for r in st["replicas"]),
-              "cores": cpu.cores(since, fed)}
+              "cores": cpu.cores(since, fed), "dht_ops": dht_ops(Path(run_dir))}
     if kill_stage is not None:
         if not killed:
             raise RuntimeError("the swarm ended before the kill")
         result["retries"], result["replays"] = summary["retries"], summary["replays"]
     return result
+
+
+def dht_ops(run_dir: Path) -> dict:
+    """Every peer's DHT operations over the whole run, by kind, from their summaries, and per second of the
+    longest-lived server's stage. A trainer inside a server shares the server's directory: counted once."""
+    summaries = [json.loads(p.read_text()) for p in (run_dir / "peers").glob("*.json")]
+    servers = {s["peer_id"] for s in summaries if s["role"] == "server"}
+    ops: Counter[str] = Counter()
+    for s in summaries:
+        if s["role"] == "server" or s["peer_id"] not in servers:
+            ops.update(s.get("dht_ops", {}))
+    seconds = max((s["alive_seconds"] for s in summaries if s["role"] == "server"), default=0.0)
+    return {"by_kind": dict(ops), "per_second": sum(ops.values()) / seconds if seconds else None}
 
 
 class CpuSampler:
@@ -276,6 +289,10 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
             print(f"{'':<12} cores ({r['cores']['seconds']:.0f}s of the timed run): "
                   f"{cores.get('compute threads', 0):.2f} compute threads, {sum(v for _, v in rest):.2f} the rest: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in rest))
+        if r.get("dht_ops", {}).get("per_second"):
+            ops = r["dht_ops"]
+            print(f"{'':<12} DHT operations of all peers: {ops['per_second']:.1f}/s over the run: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(ops["by_kind"].items(), key=lambda kv: -kv[1])))
         if "ended" in r:
             for rank, s in sorted(r["ended"]["survivors"].items()):
                 ended = f"{s['error'][:90]}... {s['at']:.1f}s into the timed run, in {s['where']}"
