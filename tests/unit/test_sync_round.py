@@ -273,6 +273,7 @@ class _Directory:
     def __init__(self, trainers: list[SimpleNamespace], stage: list[SimpleNamespace] | None = None) -> None:
         self.listed, self.records = trainers, stage or []
         self.reads = {"trainers": 0, "stage": 0}
+        self.fresh: list[float] = []  # how old a read of the stage each read would take
         self.expires: dict[str, float] = {}
 
     async def trainers(self) -> list[SimpleNamespace]:
@@ -281,6 +282,7 @@ class _Directory:
 
     async def read_stages(self, stages, fresh: float = 0.0) -> tuple[dict, float]:
         self.reads["stage"] += 1
+        self.fresh.append(fresh)
         return {k: self.records for k in stages}, self.now()
 
     def now(self) -> float:
@@ -341,10 +343,13 @@ def test_the_trainers_records_are_read_seldom_while_work_comes_in(work_ago: floa
 @pytest.mark.parametrize("near", [False, True])
 def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: bool) -> None:
     """Beside other replicas, their announced sample counts decide when the stage steps, but only near
-    the step; far from it the records are read once per announcement period, as by a replica alone."""
+    the step; far from it the records are read once per announcement period, as by a replica alone, and a
+    read of the stage by this peer up to a period old (a trainer's view, in a server that trains) will do;
+    near it, one up to half a look's interval old."""
+    mate = SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)
+    directory = _Directory([], [mate])
+
     async def scenario() -> list[int]:
-        mate = SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)
-        directory = _Directory([], [mate])
         st, stepper = stepper_reading(directory)
         st.plan = replace(st.plan, peers_at_epoch=(st.runtime.epoch, frozenset({"QmMate"})),
                           peers_pending=CFG.optim.target_batch_size if near else 0)
@@ -357,3 +362,4 @@ def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: boo
 
     assert LOOK_EVERY + 0.01 < CFG.net.announce_period
     assert asyncio.run(scenario()) == ([1, 2] if near else [0, 1])
+    assert directory.fresh == ([LOOK_EVERY / 2] * 2 if near else [CFG.net.announce_period])

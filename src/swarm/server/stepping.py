@@ -175,15 +175,15 @@ class Stepper:
         period: a look woken by each new gradient would otherwise read the DHT several times a second, and
         every read is served by each DHT node holding the stage's key, CPU taken from every host's compute
         (in the straggler benchmark a server's DHT process, daemon and network threads took about a tenth
-        of its 0.45-core share). A read of the stage by this peer begun up to half that interval before (a
-        trainer's view, in a server that trains) serves instead of a new one.
+        of its 0.45-core share). A read of the stage by this peer begun up to that interval before (a
+        trainer's view, in a server that trains) serves instead of a new one; near the step, up to half of it.
         A newcomer is seen within a period."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         near = others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
         every = LOOK_EVERY if near else self.net.announce_period
         if now - self._records_read[0] >= every:
-            found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2)
+            found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2 if near else every)
             records = found[self.stage.index]
             listed = {r.peer_id for r in records}
             self._seen = {p for p in self._seen | listed if p in self.directory.expires and p != self.peer_id}
