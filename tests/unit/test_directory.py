@@ -145,3 +145,18 @@ def test_readers_share_a_read_under_way_but_not_one_that_failed() -> None:
         assert [r.peer_id for r in found[0]] == [peers[0]] and dht.gets == 2
 
     asyncio.run(main())
+
+
+def test_a_view_searches_only_the_stages_not_read_lately() -> None:
+    """Of the stages asked for, those read within `fresh` are taken as read; one search finds the rest."""
+    values, peers = _stage_values(directory_module.get_dht_time())
+    dht = _SearchingDHT(values)
+    directory = Directory(dht, "run", record_ttl=6.0)
+
+    async def main() -> None:
+        await directory.read_stages([0])
+        found, _ = await directory.read_stages([0, 1], fresh=5.0)
+        assert {k: [r.peer_id for r in rs] for k, rs in found.items()} == {0: [peers[0]], 1: [peers[1]]}
+        assert (dht.gets, dht.searches) == (2, 0)  # stage 1 alone, by a single read
+
+    asyncio.run(main())

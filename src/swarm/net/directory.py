@@ -48,7 +48,7 @@ class Directory:
         self.expires: dict[str, float] = {}
         self._unvouched: set[str] = set()  # sources of states refused as unvouched (logged once each)
         # this peer's DHT operations by what they were for: each is served by several DHT nodes, CPU taken
-        # from every host's compute, so the summary and metrics show the peer's share of the DHT's load
+        # from every host's compute, so the peer's summary shows its share of the DHT's load
         self.ops: Counter[str] = Counter()
         # stage key -> the latest read of it (its monotonic and DHT times begun, its future): see `read_stages`
         self._shared: dict[str, tuple[float, float, asyncio.Future]] = {}
@@ -86,11 +86,11 @@ class Directory:
         keys = {k: stage_key(self.run_id, k) for k in stages}
         now = time.monotonic()
         reads = {k: self._reusable(key, fresh, now) for k, key in keys.items()}
-        if None in reads.values():
+        if stale := {k: key for k, key in keys.items() if reads[k] is None}:
             self.ops["stages"] += 1
             began = self.now()
-            search = asyncio.ensure_future(self._search(list(keys.values())))
-            for k, key in keys.items():
+            search = asyncio.ensure_future(self._search(list(stale.values())))
+            for k, key in stale.items():
                 read = asyncio.ensure_future(_value_of(search, key))
                 read.add_done_callback(_retrieved)
                 reads[k] = (began, read)
