@@ -11,7 +11,7 @@ import torch
 from swarm.config import load_config
 from swarm.data.corpus import load_documents
 from swarm.model import load_stages
-from swarm.wire.codecs import CODECS, MAX_BLOCK, Packed, check, decode, encode, error_bound
+from swarm.wire.codecs import CODECS, MAX_BLOCK, SLICE, Packed, check, decode, encode, error_bound
 from swarm.wire.validate import BadRequest
 
 
@@ -131,3 +131,28 @@ def test_a_block_larger_than_the_tensor_round_trips() -> None:
     x = torch.randn(3)
     out = decode(encode(x, "blockwise8", block=MAX_BLOCK))
     torch.testing.assert_close(out, x, atol=float(error_bound(x, "blockwise8", MAX_BLOCK).max()), rtol=0)
+
+
+@pytest.mark.parametrize("block", [64, 256, 1000])
+def test_blockwise_works_through_a_large_tensor_in_slices_as_a_whole_pass_would(block: int) -> None:
+    """A tensor of several slices and a partial last block: each block's scale is its absolute maximum, each
+    code its value in 127ths of it, and every value comes back within the bound."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * SLICE + 3 * block + 17, generator=g)
+    x[SLICE + 5] = -40.0  # a block whose maximum is a negative value
+    packed = encode(x, "blockwise8", block)
+    padded = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
+    scales = padded.abs().amax(dim=1)
+    assert torch.equal(packed.parts[1], scales)
+    expected = (padded * (127 / scales).unsqueeze(1)).round().view(-1)[: x.numel()]
+    assert torch.equal(packed.parts[0].float(), expected)
+    error = (decode(packed) - x).abs()
+    assert bool((error <= error_bound(x, "blockwise8", block)).all())
+
+
+def test_a_nan_packed_blockwise_is_refused_where_it_is_unpacked() -> None:
+    """A sender whose tensor holds NaN packs a NaN scale for its block, and the receiver refuses it."""
+    x = torch.randn(3 * SLICE)
+    x[SLICE + 1] = float("nan")
+    with pytest.raises(BadRequest, match="finite"):
+        decode(encode(x, "blockwise8"))

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from swarm.wire.records import RecordError, ServerRecord, TrainerRecord
-from swarm.wire.validate import BadRequest, TensorSpec, check_norm, check_same_batch, check_tensor
+from swarm.wire.validate import (
+    BadRequest,
+    TensorSpec,
+    all_finite,
+    check_norm,
+    check_same_batch,
+    check_tensor,
+    largest_magnitude,
+)
 
 HIDDEN = TensorSpec(torch.float32, (16, 32))
 TOKENS = TensorSpec(torch.int64, (16,), max_value=257)
@@ -298,3 +306,20 @@ def test_a_stage_read_keeps_when_each_servers_newest_record_expires_and_forgets_
     DHT.entries = {peer: now + 3}  # an older copy, from a node the renewal has not reached
     asyncio.run(directory.stage(record.stage))
     assert directory.expires == {peer: now + 6}
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_value_anywhere_in_a_large_tensor_is_found(bad: float) -> None:
+    """The extremes a tensor is read from carry a NaN or an infinity from any position."""
+    for at in (0, 123_457, 999_999):
+        x = torch.randn(1_000_000)
+        assert all_finite(x)
+        x[at] = bad
+        assert not all_finite(x)
+        assert not math.isfinite(largest_magnitude(x))
+
+
+def test_the_largest_magnitude_is_read_from_either_extreme() -> None:
+    assert largest_magnitude(torch.tensor([1.0, -3.0, 2.0])) == 3.0
+    assert largest_magnitude(torch.tensor([1.0, -3.0, 5.0])) == 5.0
+    assert largest_magnitude(torch.zeros(0)) == 0.0

@@ -13,7 +13,7 @@ import torch
 
 from swarm.net.directory import short
 from swarm.net.receipts import receipt_valid
-from swarm.wire.validate import BadRequest
+from swarm.wire.validate import BadRequest, all_finite
 
 POISON = "poisoned:"  # marks a refusal of a contribution that is not finite or over its bound
 MAX_GROUP = 256  # members a proposed group may list
@@ -74,7 +74,7 @@ class Contribution:
         if sender not in group or len(tensors) != 1:
             raise BadRequest("reduce request from outside its own group")
         part = tensors[0]
-        if not bool(torch.isfinite(part).all()):
+        if not all_finite(part):
             raise BadRequest(f"{POISON} part from {short(sender)} holds NaN or Inf")
         if bounds.max_norm_per_sample and (
                 norm := float(torch.linalg.vector_norm(part.float())) / max(samples, 1)) > bounds.max_norm_per_sample:
@@ -106,7 +106,7 @@ def answer_problem(tensors: list[torch.Tensor], size: int, samples: Any, ids: An
     mean = tensors[0]
     if mean.numel() != size or mean.dtype != torch.float32:
         return f"{mean.numel()} {mean.dtype} values for {size} float32"
-    if not bool(torch.isfinite(mean).all()):
+    if not all_finite(mean):
         return "NaN or Inf"
     if max_norm and float(torch.linalg.vector_norm(mean)) > max_norm:
         return "a mean over the bound"

@@ -13,6 +13,7 @@ import torch
 from swarm.core.ledger import carry
 from swarm.server.anchor import averaged
 from swarm.server.weights_hash import digest
+from swarm.wire.validate import all_finite
 
 if TYPE_CHECKING:
     from swarm.server.runtime import StageRuntime
@@ -90,7 +91,7 @@ def check_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> No
     for (index, key), t in zip(opt_keys, tensors[len(names):], strict=True):
         if t.numel() != 1 and t.shape != rt.params[index].shape:
             raise ValueError(f"state's optimizer {key} of parameter {index} has shape {list(t.shape)}")
-    if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+    if not all(all_finite(t) for t in tensors if t.is_floating_point()):
         raise ValueError("state holds NaN or Inf")
     if ledger is not None and not (isinstance(ledger, list) and all(
             isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], list)

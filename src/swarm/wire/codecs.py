@@ -86,10 +86,36 @@ def encode(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> Pack
         step = (hi - lo) / 255 or 1.0
         codes = ((flat - lo) / step).round_().clamp_(0, 255).to(torch.uint8)
         return Packed({**meta, "lo": lo, "step": step}, [codes])
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block)).view(-1, block)
-    scales = padded.abs().amax(dim=1)
-    codes = (padded / torch.where(scales > 0, scales, 1.0).unsqueeze(1) * 127).round_().to(torch.int8)
-    return Packed({**meta, "block": block}, [codes.view(-1)[: flat.numel()], scales])
+    codes = torch.empty(flat.shape, dtype=torch.int8, device=flat.device)
+    scales = torch.empty(-(-flat.numel() // block), dtype=torch.float32, device=flat.device)
+    for lo, hi, width in _block_spans(flat.numel(), block):
+        _quantize(flat[lo:hi].view(-1, width), codes[lo:hi].view(-1, width), scales[lo // block:-(-hi // block)])
+    return Packed({**meta, "block": block}, [codes, scales])
+
+
+# values per slice that blockwise8 works through at once: a slice's temporaries stay in the core's cache. At a
+# stage's all-reduce part (3M values) on one thread, whole-tensor passes took 8 ms to pack and 2.2 to unpack,
+# 128K-value slices 2.9 and 1.2
+SLICE = 1 << 17
+
+
+def _block_spans(numel: int, block: int):
+    """(first value, end, row width) of each run of whole blocks of about SLICE values, then of the last,
+    partial block: a run is viewed as rows of its blocks."""
+    whole = numel - numel % block
+    step = max(SLICE // block, 1) * block
+    for lo in range(0, whole, step):
+        yield lo, min(whole, lo + step), block
+    if whole < numel:
+        yield whole, numel, numel - whole
+
+
+def _quantize(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """Each row's absolute maximum into `scales`, its values as multiples of 1/127 of it into `codes`. The
+    maximum is read as the larger of the row's max and minus its min: two plain reductions, where `abs()`
+    would first write a copy of the rows (NaN still comes through, so that the receiver refuses it)."""
+    torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_(), out=scales)
+    codes.copy_(rows.mul((127 / torch.where(scales > 0, scales, 1.0)).unsqueeze_(1)).round_())
 
 
 def on_host(policy: Policy | None, role: str, tensor: torch.Tensor) -> torch.Tensor | Packed:
@@ -157,9 +183,11 @@ def decode(packed: Packed) -> torch.Tensor:
         flat = parts[0].float()
     elif codec == "uint8":
         flat = parts[0].float() * meta["step"] + meta["lo"]
-    else:  # each value times its block's scale, without padding to whole blocks: memory stays that of the values
-        block = meta["block"]
-        flat = parts[0].float().mul_((parts[1] / 127).repeat_interleave(block)[:numel])
+    else:  # each value times its block's scale, slice by slice, written once into the result
+        flat, block, scales = torch.empty(numel, device=parts[0].device), meta["block"], parts[1] / 127
+        for lo, hi, width in _block_spans(numel, block):
+            torch.mul(parts[0][lo:hi].view(-1, width), scales[lo // block:-(-hi // block)].unsqueeze(1),
+                      out=flat[lo:hi].view(-1, width))
     return flat.view(shape).to(dtype)
 
 
