@@ -27,6 +27,7 @@ from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import encode
 from swarm.ops.run import run_local
 from swarm.server.device import autocast_dtype, prepare
+from swarm.server.nag import fusable
 
 COMPUTE_BOUND = [
     "model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "model.seq_len=256",
@@ -42,7 +43,9 @@ def baseline(cfg, steps: int, device: str = "cpu") -> float:
     torch.set_num_threads(torch.get_num_threads())
     dev = prepare(torch.device(device))
     model = ComposedModel(load_stages(cfg.model)).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas)
+    # the AdamW kernel the swarm's servers step with (`swarm.server.nag.fusable`)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                            fused=fusable(list(model.parameters())))
     table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.trainer.microbatch_size)
     per_step = cfg.optim.target_batch_size // cfg.trainer.microbatch_size

@@ -30,6 +30,7 @@ from swarm.config import load_config
 from swarm.data import load_samples, split_inputs_targets
 from swarm.model import build_stage
 from swarm.ops.cpushare import CpuShare
+from swarm.server.nag import fusable
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -99,7 +100,7 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
                           output_args=torch.zeros(out_shape, requires_grad=True), group=pipe_groups[pipeline])
     schedule = SCHEDULES[run.schedule](stage, n_microbatches=share // mb, loss_fn=lambda loss, _target: loss)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas)
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, fused=fusable(params))  # as servers step
     table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.optim.target_batch_size)
     losses_by_step: list[float] = []
