@@ -1,22 +1,36 @@
-"""A server's renewals of its record while the DHT stalls: a store that waits on an unresponsive DHT node
-must not hold back the next one, or a live server's record lapses and trainers take it for gone."""
+"""A server's renewals of its record: while the DHT stalls, a store that waits on an unresponsive DHT node
+must not hold back the next one, or a live server's record lapses and trainers take it for gone; a record
+without news is renewed every `renew_every`, and news goes out at once."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
-from swarm.server.announcing import OVERLAPPING, Announcer
+from swarm.config import NetConfig
+from swarm.server.announcing import OVERLAPPING, RENEW_PERIODS, Announcer
 
 PERIOD = 0.05
 
 
+def bare_announcer(renew_every: float = PERIOD) -> Announcer:
+    """An announcer of a stage far from its step, with nothing announced yet."""
+    announcer = Announcer.__new__(Announcer)
+    announcer.period, announcer.ttl, announcer.renew_every = PERIOD, 100.0, renew_every
+    announcer.target_batch_size = 64
+    announcer.stage = SimpleNamespace(
+        index=0, label="s0", lapsed=False, moving_to=None, fresh=False, previous_stage=None,
+        runtime=SimpleNamespace(pending_samples=0, epoch=0, last_digest="d0"),
+        work=SimpleNamespace(fold=lambda period: None), near_step=lambda period, target: False)
+    announcer._announced_pending, announcer._announced_news = 0, ()
+    return announcer
+
+
 def announcer_with_stalled_stores() -> tuple[Announcer, list[asyncio.Event]]:
     """An announcer whose every store waits until the test releases it."""
-    announcer = Announcer.__new__(Announcer)
-    announcer.period, announcer.ttl = PERIOD, 100.0
-    announcer.stage = SimpleNamespace(index=0, label="s0", lapsed=False, runtime=SimpleNamespace(pending_samples=0))
-    announcer._announced_pending = 0
+    announcer = bare_announcer()
+    announcer._announced_news = announcer.news()  # (a renewal, not news, then sends each store)
     stores: list[asyncio.Event] = []
 
     async def announce() -> None:
@@ -49,3 +63,73 @@ def test_renewals_go_out_while_earlier_stores_wait_up_to_a_bound() -> None:
                 release.set()
 
     asyncio.run(scenario())
+
+
+def recording_announcer(renew_every: float) -> tuple[Announcer, list[tuple[float, tuple]]]:
+    """An announcer whose stores complete at once, recording when each went out and the news it told."""
+    announcer = bare_announcer(renew_every)
+    sent: list[tuple[float, tuple]] = []
+
+    async def announce() -> None:
+        sent.append((time.monotonic(), announcer.news()))
+        announcer._announced_news = announcer.news()
+        announcer._announced_pending = announcer.stage.runtime.pending_samples
+
+    announcer.announce = announce
+    return announcer, sent
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(PERIOD / 5)
+
+
+def test_a_record_without_news_is_renewed_every_other_period() -> None:
+    async def scenario() -> None:
+        announcer, sent = recording_announcer(RENEW_PERIODS * PERIOD)
+        loop = asyncio.create_task(announcer.loop())
+        try:
+            await until(lambda: len(sent) >= 5)
+        finally:
+            loop.cancel()
+        gaps = [b - a for (a, _), (b, _) in zip(sent[1:], sent[2:], strict=False)]  # (the first one is news)
+        assert all(gap >= RENEW_PERIODS * PERIOD * 0.99 for gap in gaps), gaps
+
+    asyncio.run(scenario())
+
+
+def test_news_goes_out_at_once_and_near_a_step_the_sample_count_too() -> None:
+    """With renewals far apart, every announcement after the first is one for news: a step (epoch and
+    weights), a move; near a step beside other replicas, a new sample count. Far from it, a new count
+    waits for the renewal."""
+    async def scenario() -> None:
+        announcer, sent = recording_announcer(renew_every=1000.0)
+        st = announcer.stage
+        loop = asyncio.create_task(announcer.loop())
+        try:
+            await until(lambda: len(sent) == 1)
+            st.runtime.epoch, st.runtime.last_digest = 1, "d1"
+            await until(lambda: len(sent) == 2)
+            assert sent[-1][1][1:3] == (1, "d1")
+            st.moving_to = 1
+            await until(lambda: len(sent) == 3)
+            st.runtime.pending_samples = 8  # far from the step: not news
+            assert not announcer.has_news(near=False)
+            st.near_step = lambda period, target: True
+            await until(lambda: len(sent) == 4)
+            assert not announcer.has_news(near=True)
+        finally:
+            loop.cancel()
+        assert len(sent) == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_short_lived_record_is_renewed_within_its_life() -> None:
+    """Where a record lives less than a few renewals every other period, it is renewed every period."""
+    directory = SimpleNamespace()
+    for ttl, every in ((6.0, RENEW_PERIODS * 1.0), (1.5, 1.0)):
+        net = NetConfig(announce_period=1.0, record_ttl=ttl, max_clock_offset=min(0.25, (ttl - 1.0) / 2))
+        announcer = Announcer({"optim": {"target_batch_size": 64}}, "h", "s", net, "p", directory, None, None, None)
+        assert announcer.renew_every == every

@@ -1,6 +1,7 @@
 """A server's announcement in the DHT: what trainers route by and what its stage's replicas decide their
-steps from. Renewed every `net.announce_period`, and sooner while gradients accumulate in a stage
-with other replicas at this one's epoch."""
+steps from. Renewed every RENEW_PERIODS announcement periods; at once when what others act on changes (its
+epoch, weights, a move); and every period or sooner while gradients accumulate near a step beside other
+replicas at this one's epoch."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.server")
 OVERLAPPING = 3  # renewals of the record that may wait on the DHT at once
+# announcement periods between renewals of a record with no news: a record lives net.record_ttl (6 s by default,
+# and at least two periods), so a few renewals still fall within its life. Each renewal is a store that every
+# DHT node nearest the stage's key serves: CPU taken from every host's compute
+RENEW_PERIODS = 2
 
 
 class Announcer:
@@ -30,6 +35,8 @@ class Announcer:
         self.target_batch_size = int(agreed["optim"]["target_batch_size"])
         self.name = name
         self.period, self.ttl = net.announce_period, net.record_ttl
+        # (where a record lives less than RENEW_PERIODS periods' worth of renewals, it is renewed as before)
+        self.renew_every = min(RENEW_PERIODS * self.period, max(self.period, self.ttl / 3))
         self.hash = config_hash
         self.peer_id = peer_id
         self.directory = directory
@@ -37,6 +44,7 @@ class Announcer:
         self.stage = stage
         self.in_hand = in_hand
         self._announced_pending = 0
+        self._announced_news: tuple = ()
 
     def record(self) -> ServerRecord:
         st = self.stage
@@ -61,11 +69,24 @@ class Announcer:
             calls=self.in_hand(),
         )
 
+    def has_news(self, near: bool) -> bool:
+        """Whether the record changed, since it was last announced, in what others act on at once: `news`,
+        and near a step beside other replicas (`near`) the sample count, from which they decide the step."""
+        return self.news() != self._announced_news or (
+            near and self.stage.runtime.pending_samples != self._announced_pending)
+
+    def news(self) -> tuple:
+        """What of the record others act on as soon as it changes: trainers route by the epoch (a replica
+        behind refuses their calls), replicas step and catch up by epochs and weights, and the stages count
+        their servers by where they are and where they go. Rates and queues drift: a renewal carries them."""
+        st = self.stage
+        return st.index, st.runtime.epoch, st.runtime.last_digest, st.moving_to, st.fresh, st.previous_stage
+
     async def announce(self) -> None:
         self.stage.work.fold(self.period)
-        record = self.record()
+        record, news = self.record(), self.news()
         await self.directory.announce_server(record)
-        self._announced_pending = record.pending
+        self._announced_pending, self._announced_news = record.pending, news
 
     async def withdraw(self) -> None:
         await self.directory.withdraw_server(self.record())
@@ -77,11 +98,11 @@ class Announcer:
             log.warning("announcement failed: %s", e)
 
     async def loop(self) -> None:
-        """Re-announce every period, and sooner while gradients accumulate beside other replicas at our
-        epoch near the stage's step: they decide when the stage steps from each other's announced sample
-        counts, so stale counts mean oversized steps. A replica alone at its epoch has no one to tell, and
-        far from the step nothing is decided yet: every store is served by each DHT node holding the
-        stage's key, CPU taken from the compute of every host.
+        """Re-announce every `renew_every`; every period, and sooner, while gradients accumulate beside other
+        replicas at our epoch near the stage's step: they decide when the stage steps from each other's
+        announced sample counts, so stale counts mean oversized steps; and at once with news (`has_news`). A
+        replica alone at its epoch has no one to tell, and far from the step nothing is decided yet: every
+        store is served by each DHT node holding the stage's key, CPU taken from the compute of every host.
 
         The loop also notices when this process stalled (it was frozen) for so long that its record
         may have lapsed. Announcements run beside it, so a slow DHT store is not taken for a stall; and the
@@ -104,9 +125,9 @@ class Announcer:
             sending = {task for task in sending if not task.done()}
             if len(sending) >= OVERLAPPING:
                 continue
-            # an early announcement only when none is under way: they tell counts, not that we are alive
-            changed = (not sending and st.runtime.pending_samples != self._announced_pending
-                       and st.near_step(self.period, self.target_batch_size))
-            if changed or now - last >= self.period:
+            st.work.fold(self.period)  # the rates a renewal carries are a period's, however far apart renewals are
+            near = st.near_step(self.period, self.target_batch_size)
+            # an early announcement only when none is under way: it tells news, not that we are alive
+            if now - last >= (self.period if near else self.renew_every) or (not sending and self.has_news(near)):
                 last = now
                 sending.add(asyncio.create_task(self._announce_quietly()))
