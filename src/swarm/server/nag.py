@@ -82,6 +82,6 @@ def stage_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig) -> tor
 
 def fusable(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused AdamW kernel takes these parameters: one pass over each, where the default (one
-    parameter at a time on a CPU) makes a dozen. A 10.5M-parameter step on one CPU thread took 18 ms fused,
-    56 ms not. Every replica runs the same kernel, so replicas stay bit-identical."""
+    parameter at a time on a CPU) makes a dozen: a quarter of the CPU time for a stage of the benchmark model
+    (`benchmarks/step_cost.py`). Every replica runs the same kernel, so replicas stay bit-identical."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)

@@ -19,6 +19,7 @@ Non-float tensors (token ids, targets) always travel as they are.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,13 +94,12 @@ def encode(tensor: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> Pack
     return Packed({**meta, "block": block}, [codes, scales])
 
 
-# values per slice that blockwise8 works through at once: a slice's temporaries stay in the core's cache. At a
-# stage's all-reduce part (3M values) on one thread, whole-tensor passes took 8 ms to pack and 2.2 to unpack,
-# 128K-value slices 2.9 and 1.2
+# values per slice that blockwise8 works through at once: a slice's temporaries stay in the core's cache
+# (`benchmarks/step_cost.py` times a stage's all-reduce part both ways)
 SLICE = 1 << 17
 
 
-def _block_spans(numel: int, block: int):
+def _block_spans(numel: int, block: int) -> Iterator[tuple[int, int, int]]:
     """(first value, end, row width) of each run of whole blocks of about SLICE values, then of the last,
     partial block: a run is viewed as rows of its blocks."""
     whole = numel - numel % block
@@ -184,7 +184,8 @@ def decode(packed: Packed) -> torch.Tensor:
     elif codec == "uint8":
         flat = parts[0].float() * meta["step"] + meta["lo"]
     else:  # each value times its block's scale, slice by slice, written once into the result
-        flat, block, scales = torch.empty(numel, device=parts[0].device), meta["block"], parts[1] / 127
+        flat = torch.empty(numel, dtype=torch.float32, device=parts[0].device)
+        block, scales = meta["block"], parts[1] / 127
         for lo, hi, width in _block_spans(numel, block):
             torch.mul(parts[0][lo:hi].view(-1, width), scales[lo // block:-(-hi // block)].unsqueeze(1),
                       out=flat[lo:hi].view(-1, width))
