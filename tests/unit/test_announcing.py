@@ -9,7 +9,8 @@ import time
 from types import SimpleNamespace
 
 from swarm.config import NetConfig
-from swarm.server.announcing import OVERLAPPING, RENEW_PERIODS, Announcer
+from swarm.net.directory import RENEW_PERIODS
+from swarm.server.announcing import OVERLAPPING, Announcer
 
 PERIOD = 0.05
 

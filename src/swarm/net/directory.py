@@ -36,6 +36,10 @@ from swarm.wire.records import (
 log = logging.getLogger(__name__)
 CLOCK_SLACK = 10.0  # seconds by which peers' clocks may differ (the DHT's time is each peer's own)
 FORGET_EXPIRED = 600.0  # seconds after its last record expired that a server's expiry is forgotten
+# announcement periods between renewals of a peer's own record with no news (servers and trainers): a record lives
+# net.record_ttl (6 s by default), so a few renewals still fall within its life, and each renewal is a store that
+# every DHT node nearest its key serves, CPU taken from every host's compute
+RENEW_PERIODS = 2
 
 
 class Directory:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 from swarm.config import NetConfig
-from swarm.net.directory import Directory
+from swarm.net.directory import RENEW_PERIODS, Directory
 from swarm.server.gate import ComputeGate
 from swarm.server.stage import ServedStage
 from swarm.wire import PROTOCOL_VERSION
@@ -19,10 +19,6 @@ from swarm.wire.records import ServerRecord
 
 log = logging.getLogger("swarm.server")
 OVERLAPPING = 3  # renewals of the record that may wait on the DHT at once
-# announcement periods between renewals of a record with no news: a record lives net.record_ttl (6 s by default,
-# and at least two periods), so a few renewals still fall within its life. Each renewal is a store that every
-# DHT node nearest the stage's key serves: CPU taken from every host's compute
-RENEW_PERIODS = 2
 
 
 class Announcer:

@@ -31,7 +31,7 @@ from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash
 from swarm.data import load_samples, split_inputs_targets
 from swarm.exiting import STOP_MARGIN, deadline
 from swarm.metrics import Figure, MetricsEndpoint, peer_figures
-from swarm.net.directory import short
+from swarm.net.directory import RENEW_PERIODS, short
 from swarm.net.lifeline import CutOff
 from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
@@ -47,7 +47,6 @@ from swarm.trainer.view import SwarmView, until_next_view
 from swarm.wire.records import TrainerRecord
 
 log = logging.getLogger("swarm.trainer")
-RENEW_PERIODS = 2  # announcement periods between renewals of a trainer's own record
 RELEASE_TIMEOUT = 5.0  # seconds a stopping trainer spends giving its data blocks back
 
 
