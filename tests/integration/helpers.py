@@ -113,7 +113,8 @@ def assert_exactly_once(summary: dict, orphans_allowed: bool = False) -> None:
         if orphans_allowed:
             delivery.pop("not_completed")
         expected = {"steps_seen": info["steps"], "conflicting_steps": 0, "duplicated": 0, "missing": 0}
-        assert delivery == {**expected, **({} if orphans_allowed else {"not_completed": 0})}, (stage, delivery)
+        assert delivery == {**expected, **({} if orphans_allowed else {"not_completed": 0})}, (
+            stage, delivery, info.get("missing_stepped_at"))
 
 
 def finish(swarm: LocalSwarm) -> None:

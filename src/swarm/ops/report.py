@@ -88,8 +88,13 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 if step["epoch"] not in in_ledgers:
                     known.setdefault(step["epoch"], []).append(step["ids"])
     completed_ids = {f"{t['peer_id']}/{c[4]}" for t in trainers for c in t["completed"]}
+    every_step = read_steps(run_dir)  # branches the stage did not go on from included
     for stage, st in stages.items():
         st["delivery"] = delivery(step_ids.get(stage, {}), completed_ids)
+        if st["delivery"]["missing"]:  # where they went: steps of a branch later superseded, or none at all
+            missing = completed_ids.difference(*(ids for lists in step_ids.get(stage, {}).values() for ids in lists))
+            st["missing_stepped_at"] = sorted({r["epoch"] for records in every_step.get(stage, []) for r in records
+                                               if missing.intersection(r["ids"])})
         merged = step_samples[stage]
         st["steps"] = max(merged, default=0)
         st["samples_stepped"] = sum(merged.values())
