@@ -20,7 +20,7 @@ from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.handlers import StageHandlers
 from swarm.server.replies import ReplyCache
 from swarm.server.stage import ServedStage
-from swarm.wire.calls import StageCall
+from swarm.wire.calls import StageCall, StageQuery
 from swarm.wire.validate import IGNORE_INDEX, BadRequest, Unavailable
 
 CFG = load_config(overrides=["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2",
@@ -318,4 +318,20 @@ def test_evaluate_on_an_earlier_stage_returns_its_outputs_and_keeps_no_graph():
             assert torch.allclose(y.value, st.runtime.module(ids), atol=1e-6)
         with pytest.raises(BadRequest, match="ids must lie in \\[0, 257\\)"):  # inputs: no -100 allowed
             await handlers.evaluate(call(stage=0, req="v2"), [torch.full((2, 16), IGNORE_INDEX)], ID["caller"])
+    run(scenario())
+
+
+def test_a_state_taken_to_serve_the_stage_is_noted_for_the_step_plan_and_a_copy_is_not():
+    """A replica catching up or entering the stage says so (`joining`): this replica's step plan waits a
+    while for it at the epoch it took. A copy's holder or an export does not hold the stage back."""
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        await handlers.state(StageQuery(1).to_meta(), [], ID["caller"])
+        assert st.handed_now() == {}
+        await handlers.state(StageQuery(1, joining=True).to_meta(), [], ID["another caller"])
+        assert list(st.handed_now()) == [ID["another caller"]]
+        st.runtime.epoch += 1  # (a step) the state it took is a step old: nothing to wait for at this epoch
+        assert st.handed_now() == {}
+        with pytest.raises(BadRequest, match="joining: expected bool"):
+            await handlers.state({"stage": 1, "joining": "yes"}, [], ID["caller"])
     run(scenario())

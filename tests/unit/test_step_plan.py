@@ -24,9 +24,10 @@ GRACE = 4.0
 
 
 def view(now: float, *others: Replica, epoch: int = 3, pending: int = 16, trainers: int = 1, done: bool = False,
-         proposal=None, lapsed: frozenset[str] = frozenset()) -> StepView:
+         proposal=None, lapsed: frozenset[str] = frozenset(), handed: dict[str, float] | None = None) -> StepView:
     return StepView(now=now, me="me", epoch=epoch, pending=pending, others=tuple(others), trainers=trainers,
-                    trainers_done=done, proposal=proposal, target_batch_size=32, grace=GRACE, lapsed=lapsed)
+                    trainers_done=done, proposal=proposal, target_batch_size=32, grace=GRACE, lapsed=lapsed,
+                    handed=handed or {})
 
 
 def looks(*views: StepView, memory: PlanMemory | None = None):
@@ -199,6 +200,49 @@ def test_a_peer_that_always_looks_one_behind_is_waited_for_twice_then_no_more():
     assert "lag" not in memory.stragglers
 
 
+def test_a_replica_loading_our_state_is_waited_for_though_it_kept_us_waiting_in_vain_before():
+    """A replica frozen, then thawed, failed our round and looked behind for many steps: it is a suspect, and
+    waited for no more as a straggler. Once it downloads our state, stepping on before it has loaded it
+    would leave it behind again, for good where the stage steps faster than its state downloads: it is
+    waited for, up to the grace from the download, and stepped with as soon as it shows at our epoch."""
+    lagging = Replica("b", 2, 0)
+    memory = suspect(PlanMemory(stragglers={"b": 5}), ["b"], until=100.0, epoch=2)
+    (alone,), memory = looks(view(0.0, lagging, pending=32), memory=memory)
+    assert alone == Step(("me",))
+    handed = {"b": 10.0}
+    (waiting, still), memory = looks(view(10.5, lagging, pending=32, handed=handed),
+                                     view(10.0 + GRACE - 0.1, lagging, pending=32, handed=handed), memory=memory)
+    assert waiting == still == Wait()
+    (joined,), memory = looks(view(12.0, Replica("b", 3, 0), pending=32, handed=handed), memory=memory)
+    assert joined == Step(("b", "me"))
+
+
+def test_a_peer_that_downloads_our_state_and_never_joins_holds_the_stage_back_twice_then_no_more():
+    memory, now, epoch = PlanMemory(), 0.0, 3
+    waits = []
+    for _ in range(4):
+        taker = Replica("taker", epoch - 1, 0)
+        handed = {"taker": now}
+        (first,), memory = looks(view(now, taker, epoch=epoch, pending=32, handed=handed), memory=memory)
+        waits.append(first == Wait())
+        (decision,), memory = looks(view(now + 3 * GRACE, taker, epoch=epoch, pending=32, handed=handed),
+                                    memory=memory)
+        assert decision == Step(("me",))
+        now, epoch = now + 3 * GRACE + 1.0, epoch + 1
+    assert waits == [True, True, False, False]
+    (caught_up,), memory = looks(view(now, Replica("taker", epoch, 8), epoch=epoch, pending=8), memory=memory)
+    assert "taker" not in memory.vain_handoffs
+
+
+def test_a_replica_loading_our_state_is_waited_for_though_its_record_lapsed():
+    """Frozen long enough for its record to lapse, it took our state once thawed: it is waited for until its
+    new record shows it at our epoch."""
+    (waiting, joined), _ = looks(view(0.5, Replica("b", 3, 16), handed={"c": 0.0}),
+                                 view(1.0, Replica("b", 3, 16), Replica("c", 3, 0), handed={"c": 0.0}))
+    assert waiting == Wait()
+    assert joined == Step(("b", "c", "me"))
+
+
 def test_a_count_is_worth_telling_early_only_to_replicas_and_near_the_step() -> None:
     """Two replicas at 4 samples/s each accumulate 16 in two periods of 1 s: a count of 40 (with 8 seen
     at the other) is worth telling toward a step of 64, one of 30 is not yet; nor is any count to no one,
@@ -207,3 +251,4 @@ def test_a_count_is_worth_telling_early_only_to_replicas_and_near_the_step() -> 
     assert not worth_telling(30, 1, 8, 4.0, 1.0, 64)
     assert not worth_telling(63, 0, 0, 4.0, 1.0, 64)
     assert not worth_telling(50, 1, 10, 0.0, 1.0, 64) and worth_telling(54, 1, 10, 0.0, 1.0, 64)
+

@@ -18,11 +18,12 @@ from tests.unit.test_server_parts import CFG, ID, call, last_stage_request, serv
 from swarm.averaging.allreduce import RoundResult
 from swarm.averaging.failures import RoundFailed
 from swarm.core.ledger import carry
+from swarm.core.stepping import TRAINERS_QUIET
 from swarm.model import load_stages
 from swarm.server.gate import ComputeGate
 from swarm.server.gradvec import gradient_vector
 from swarm.server.stage import ServedStage
-from swarm.server.stepping import LOOK_EVERY, TRAINERS_QUIET, Stepper
+from swarm.server.stepping import LOOK_EVERY, Stepper
 
 
 def twins(n: int = 2):
@@ -312,23 +313,25 @@ def test_a_replica_that_saw_no_trainer_reads_again_at_its_next_look() -> None:
     assert asyncio.run(scenario()) == [1, 1]
 
 
-@pytest.mark.parametrize("work_ago, done, read_after", [
-    (0.0, False, TRAINERS_QUIET),  # work comes in: the run goes on
-    (2.0, False, 1),  # no work for longer than a period: the run may be over
-    (0.0, True, 1),  # a trainer said it is done
+@pytest.mark.parametrize("work_ago, done, held, read_after", [
+    (0.0, False, 40, TRAINERS_QUIET),  # work comes in: the run goes on
+    (2.0, False, 40, 1),  # no work for longer than a period, samples held: the run may be over
+    (0.0, True, 40, 1),  # a trainer said it is done
+    (2.0, False, 0, TRAINERS_QUIET),  # idle around a step, holding nothing: nothing to flush
 ])
-def test_the_trainers_records_are_read_seldom_while_work_comes_in(work_ago: float, done: bool,
-                                                                   read_after: int) -> None:
+def test_the_trainers_records_are_read_seldom_unless_the_stage_may_have_to_flush(
+        work_ago: float, done: bool, held: int, read_after: int) -> None:
     """Every read of the trainers' records is served by each DHT node holding them. While calls come in,
     the run is not over and a trainer is in view: once per TRAINERS_QUIET announcement periods is enough.
-    Once a trainer says it is done, or no work came for a period, the stage may have to flush its last
-    samples: once per period, so that the run's end is seen within one."""
+    Once a trainer says it is done, or no work came for a period, a stage holding samples may have to
+    flush them: once per period, so that the run's end is seen within one."""
     period = CFG.net.announce_period
 
     async def scenario() -> list[bool]:
         directory = _Directory([SimpleNamespace(done=done)])
         st, stepper = stepper_reading(directory)
         st.work.last = time.monotonic() - work_ago * period
+        st.plan = replace(st.plan, peers_pending=held)  # (what the other replicas last said they hold)
         read = []
         for periods in range(1, TRAINERS_QUIET + 1):
             before = directory.reads["trainers"]

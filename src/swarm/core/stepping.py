@@ -35,6 +35,24 @@ def worth_telling(own_samples: int, peers: int, peer_samples: int, own_rate: flo
     return own_samples + peer_samples + reach >= target_batch_size
 
 
+TRAINERS_QUIET = 5  # announcement periods between reads of the trainers' records when nothing hinges on them
+
+
+def trainers_read_every(seen: bool, any_done: bool, idle: float, held: int, period: float, look: float) -> float:
+    """Seconds between a replica's reads of the trainers' records. The plan needs them when a replica is
+    alone (it steps only once it sees a trainer) and at the end of a run (every trainer done: the stage
+    flushes the samples it holds short of its target). So: at every `look` while none is in view; once a
+    period while the stage holds samples and either a trainer says it is done or no work came for `idle`
+    > a period (the run may be over); else once per TRAINERS_QUIET periods. A stage that holds nothing has
+    nothing to flush: in a sync swarm every stage but the bottleneck idles for more than a period around
+    each step, and each read is served by every DHT node holding the trainers' key."""
+    if not seen:
+        return look
+    if held and (any_done or idle > period):
+        return period
+    return TRAINERS_QUIET * period
+
+
 def stage_ready(own_samples: int, peer_samples: Mapping[str, int], target_batch_size: int) -> bool:
     """Whether the stage as a whole has accumulated `target_batch_size` samples this epoch.
 
@@ -74,6 +92,8 @@ class StepView:
     grace: float  # seconds a replica waits for a peer that looks behind, or for a first peer to appear
     # replicas of the stage seen before, missing from this read though it began after their records expired
     lapsed: frozenset[str] = frozenset()
+    # peers that downloaded our state at this epoch: peer -> when (same clock as `now`)
+    handed: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,8 @@ class PlanMemory:
     unproven: Mapping[str, tuple[float, int]] = field(default_factory=dict)
     # the other members of the round that took us to an epoch: (that epoch, them); see GROUPMATE_GRACES
     groupmates: tuple[int, frozenset[str]] = (-1, frozenset())
+    # peer -> downloads of our state after which we stepped without it, since it was last seen at our epoch
+    vain_handoffs: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,10 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
     replica whose only peers are suspects, or have lapsed (stopped renewing their records: frozen, say,
     right after a step they took with it), steps alone at once: it knows of them, and waiting would let its
     gradients pile up unstepped while the other stages step on.
+    A peer that downloaded our state at this epoch to serve the stage (`handed`) is waited for up to `grace`
+    from the download, however often it kept us waiting before: it is loading that state and will be at our
+    epoch. Only MAX_WAITS such waits in vain are granted (a peer that downloads and never joins must not
+    hold the stage back at will); one seen at our epoch is granted them again.
     """
     if view.proposal is not None and view.proposal[0] == view.epoch:
         return Step(view.proposal[1]), memory
@@ -151,21 +177,30 @@ def plan_step(view: StepView, memory: PlanMemory) -> tuple[Decision, PlanMemory]
         return CatchUp(tuple(r.peer for r in ahead)), memory
     peers = {r.peer: r.pending for r in in_view if r.epoch == view.epoch}
     stragglers = {p: n for p, n in memory.stragglers.items() if p not in peers}  # (one that caught up is forgiven)
+    vain = {p: n for p, n in memory.vain_handoffs.items() if p not in peers}
     memory = replace(memory, peers_at_epoch=(view.epoch, frozenset(peers)), peers_pending=sum(peers.values()),
-                     stragglers=stragglers)
+                     stragglers=stragglers, vain_handoffs=vain)
     held = view.pending + sum(peers.values())
     run_over = held > 0 and view.trainers > 0 and view.trainers_done  # flush what the stage still holds
     if not (stage_ready(view.pending, peers, view.target_batch_size) or run_over):
         return Wait(), memory
     behind_since = {r.peer: memory.behind_since.get(r.peer, now) for r in in_view if r.epoch < view.epoch}
-    # a peer that made us wait out the grace MAX_WAITS times without ever catching up is waited for no more
+    # a peer that took our state at this epoch to serve the stage is loading it (alive, though it may have
+    # failed a round of ours or its record lapsed): stepping on now would leave it a step behind again, and
+    # a stage that steps faster than its state downloads would never let it in
+    joining = {p: since for p, since in view.handed.items() if p not in peers and vain.get(p, 0) < MAX_WAITS}
     memory = replace(memory, behind_since=behind_since)
+    if any(now - since < view.grace for since in joining.values()):
+        return Wait(), memory
+    # a peer that made us wait out the grace MAX_WAITS times without ever catching up is waited for no more
     stepping = memory.groupmates[1] if memory.groupmates[0] == view.epoch else frozenset()
     if any(now - since < view.grace * (GROUPMATE_GRACES if p in stepping else 1)
            for p, since in behind_since.items() if stragglers.get(p, 0) < MAX_WAITS):
         return Wait(), memory
     if behind_since:  # stepping without them: each has cost us a grace
         memory = replace(memory, stragglers={**stragglers, **{p: stragglers.get(p, 0) + 1 for p in behind_since}})
+    if joining:
+        memory = replace(memory, vain_handoffs={**vain, **{p: vain.get(p, 0) + 1 for p in joining}})
     if not in_view:
         if not view.trainers:
             # once the swarm is back in view, its other replicas may take a moment more to appear

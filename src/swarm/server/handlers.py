@@ -233,7 +233,8 @@ class StageHandlers:
     async def state(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         """The stage's whole state, to a replica catching up or a newcomer: at most MAX_STATE_SENDS at a time,
         one per caller, since each holds the compute gate while the state is gathered."""
-        st = self._serving(StageQuery.from_meta(meta).stage)
+        query = StageQuery.from_meta(meta)
+        st = self._serving(query.stage)
         if caller in self.sending_state or len(self.sending_state) >= MAX_STATE_SENDS:
             raise Unavailable("busy sending its state to others; ask another replica or later")
         self.sending_state.add(caller)
@@ -241,6 +242,8 @@ class StageHandlers:
             state, tensors = await self.gate.run(st.runtime.state)
         finally:
             self.sending_state.discard(caller)
+        if query.joining:
+            st.note_handed(caller, state["epoch"])
         return state, [Tagged("state", t) for t in tensors]
 
     async def ledger(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:

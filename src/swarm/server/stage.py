@@ -91,6 +91,7 @@ class ServedStage:
         self.entry: dict | None = None  # how it took the stage's state with no replica left (swarm.server.restoring)
         self.fresh = 0.0  # unix time it started the stage afresh mid-run, at its operator's word (0: it did not)
         self.previous_stage = -1  # the stage this server moved here from (-1: it joined here)
+        self._handed: dict[str, tuple[int, float]] = {}  # peer -> (epoch, monotonic time) of our state it took
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,
@@ -125,6 +126,15 @@ class ServedStage:
         return epoch == self.runtime.epoch and worth_telling(
             self.runtime.pending_samples, len(peers), self.plan.peers_pending, self.work.meter.rate, period,
             target_batch_size)
+
+    def note_handed(self, peer: str, epoch: int) -> None:
+        """`peer` downloaded our state at `epoch`: the step plan waits a while for it to join us there."""
+        self._handed = {p: (e, t) for p, (e, t) in self._handed.items() if e >= self.runtime.epoch}
+        self._handed[peer] = (epoch, time.monotonic())
+
+    def handed_now(self) -> dict[str, float]:
+        """The peers that downloaded our state at our current epoch, and when."""
+        return {p: t for p, (e, t) in self._handed.items() if e == self.runtime.epoch}
 
     def drop_if_lapsed(self) -> bool:
         """A replica that stalled long enough for its DHT record to lapse has been taken for dead:

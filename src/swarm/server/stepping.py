@@ -32,6 +32,7 @@ from swarm.core.stepping import (
     StepView,
     plan_step,
     suspect,
+    trainers_read_every,
     unproven,
 )
 from swarm.core.vouching import keeper as keeper_of
@@ -49,7 +50,6 @@ log = logging.getLogger("swarm.server")
 # serves the looks that gradients wake in between while other replicas are in view and the stage is near its
 # step (they announce once a second, and on new samples then); otherwise a read serves an announcement period
 LOOK_EVERY = 0.5
-TRAINERS_QUIET = 5  # announcement periods between reads of the trainers' records while work comes in
 STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
 DISTRUST_TTLS = 10  # record lifetimes such a peer stays left out
 
@@ -165,6 +165,7 @@ class Stepper:
             others=tuple(Replica(r.peer_id, r.epoch, r.pending) for r in records if r.peer_id != self.peer_id),
             trainers=len(trainers), trainers_done=all(t.done for t in trainers), proposal=proposal,
             target_batch_size=self.target_batch_size, grace=self.grace, lapsed=self._lapsed,
+            handed=st.handed_now(),
         )
         decision, st.plan = plan_step(view, st.plan)
         return decision, records
@@ -180,7 +181,9 @@ class Stepper:
         A newcomer is seen within a period."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
-        near = others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
+        # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
+        near = (others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
+                or bool(self.stage.handed_now()))
         every = LOOK_EVERY if near else self.net.announce_period
         if now - self._records_read[0] >= every:
             found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2 if near else every)
@@ -192,18 +195,12 @@ class Stepper:
         return self._records_read[1]
 
     async def _trainers(self) -> list[TrainerRecord]:
-        """The trainers in view. The plan needs them when a replica is alone (it steps only once it sees
-        one) and at the end of a run (every trainer done: the stage flushes what it holds). So: at every
-        look while none is in view; once per announcement period once one says it is done, or once no work
-        came for a period (the run may be over); and while work comes in, once per TRAINERS_QUIET periods."""
+        """The trainers in view, read as often as `trainers_read_every` says."""
         now = time.monotonic()
         seen = self._trainers_read[1]
-        if not seen:
-            every = LOOK_EVERY
-        elif any(t.done for t in seen) or now - self.stage.work.last > self.net.announce_period:
-            every = self.net.announce_period
-        else:
-            every = TRAINERS_QUIET * self.net.announce_period
+        held = self.stage.runtime.pending_samples + self.stage.plan.peers_pending
+        every = trainers_read_every(bool(seen), any(t.done for t in seen), now - self.stage.work.last, held,
+                                    self.net.announce_period, LOOK_EVERY)
         if now - self._trainers_read[0] >= every:
             self._trainers_read = (now, await self.directory.trainers())
         return self._trainers_read[1]

@@ -16,6 +16,7 @@ from swarm.net.transport import CallFailed, StageClient
 from swarm.results import PeerResults
 from swarm.server.gate import ComputeGate
 from swarm.server.stage import ServedStage
+from swarm.wire.calls import StageQuery
 from swarm.wire.records import BackupRecord, ServerRecord
 
 log = logging.getLogger("swarm.server")
@@ -98,7 +99,8 @@ class StateTransfer:
             if found is None:
                 raise CallFailed("no copy of the stage held here")
             return found
-        return await self.client.call(peer, method, {"stage": self.stage.index}, [], self.timeout)
+        query = StageQuery(self.stage.index, joining=method == "state")
+        return await self.client.call(peer, method, query.to_meta(), [], self.timeout)
 
     def note_restored(self, epoch: int) -> None:
         """The stage lost every replica and goes on from `epoch`: the steps its replicas took beyond it

@@ -62,13 +62,19 @@ class StageCall:
 
 @dataclass(frozen=True)
 class StageQuery:
-    """A call about a stage rather than a microbatch (`state`, `reduce`): which stage it is for."""
+    """A call about a stage rather than a microbatch (`state`, `reduce`): which stage it is for, and, asking
+    for a state, whether the caller loads it to serve the stage (a replica catching up or entering it,
+    which the replica it asks waits a while for) rather than to hold or export a copy."""
 
     stage: int
+    joining: bool = False
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"stage": self.stage, **({"joining": True} if self.joining else {})}
 
     @classmethod
     def from_meta(cls, meta: Any) -> StageQuery:
-        return cls(_stage(meta))
+        return cls(_stage(meta), _field(meta, "joining", bool, False))
 
 
 @dataclass(frozen=True)
