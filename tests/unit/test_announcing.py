@@ -11,20 +11,22 @@ from types import SimpleNamespace
 from swarm.config import NetConfig
 from swarm.net.directory import RENEW_PERIODS
 from swarm.server.announcing import OVERLAPPING, Announcer
+from swarm.wire.calls import CountNote
 
 PERIOD = 0.05
 
 
-def bare_announcer(renew_every: float = PERIOD) -> Announcer:
-    """An announcer of a stage far from its step, with nothing announced yet."""
-    announcer = Announcer.__new__(Announcer)
+def bare_announcer(renew_every: float = PERIOD, tell=None) -> Announcer:
+    """An announcer of a stage far from its step, with no other replica seen at its epoch and nothing
+    announced yet; `tell`: its `count` calls."""
+    announcer = Announcer({"optim": {"target_batch_size": 64}}, "h", "s0", NetConfig(announce_period=1.0), "me",
+                          None, None, None, None, tell)
     announcer.period, announcer.ttl, announcer.renew_every = PERIOD, 100.0, renew_every
-    announcer.target_batch_size = 64
     announcer.stage = SimpleNamespace(
         index=0, label="s0", lapsed=False, moving_to=None, fresh=False, previous_stage=None,
         runtime=SimpleNamespace(pending_samples=0, epoch=0, last_digest="d0"),
-        work=SimpleNamespace(fold=lambda period: None), near_step=lambda period, target: False)
-    announcer._announced_pending, announcer._announced_news = 0, ()
+        work=SimpleNamespace(fold=lambda period: None), near_step=lambda period, target: False,
+        plan=SimpleNamespace(peers_at_epoch=(-1, frozenset())))
     return announcer
 
 
@@ -66,9 +68,9 @@ def test_renewals_go_out_while_earlier_stores_wait_up_to_a_bound() -> None:
     asyncio.run(scenario())
 
 
-def recording_announcer(renew_every: float) -> tuple[Announcer, list[tuple[float, tuple]]]:
+def recording_announcer(renew_every: float, tell=None) -> tuple[Announcer, list[tuple[float, tuple]]]:
     """An announcer whose stores complete at once, recording when each went out and the news it told."""
-    announcer = bare_announcer(renew_every)
+    announcer = bare_announcer(renew_every, tell)
     sent: list[tuple[float, tuple]] = []
 
     async def announce() -> None:
@@ -127,10 +129,48 @@ def test_news_goes_out_at_once_and_near_a_step_the_sample_count_too() -> None:
     asyncio.run(scenario())
 
 
+def test_near_a_step_counts_go_to_the_replicas_at_our_epoch_straight_and_by_the_dht_where_that_fails() -> None:
+    """Each new count is told to each replica at our epoch by a `count` call, with increasing sequence
+    numbers, and the DHT record is not stored for it. Once a call fails, counts go by the DHT for a period."""
+    async def scenario() -> None:
+        notes: list[tuple[str, CountNote]] = []
+        failing = False
+
+        async def tell(peer: str, note: CountNote) -> None:
+            if failing:
+                raise ConnectionError("unreachable")
+            notes.append((peer, note))
+
+        announcer, sent = recording_announcer(renew_every=1000.0, tell=tell)
+        announcer.period = 10 * PERIOD  # (the DHT carries counts for a period after a failed call)
+        st = announcer.stage
+        loop = asyncio.create_task(announcer.loop())
+        try:
+            await until(lambda: len(sent) == 1)
+            st.plan.peers_at_epoch = (0, frozenset({"b", "c"}))
+            st.near_step = lambda period, target: True
+            st.runtime.pending_samples = 40
+            await until(lambda: len(notes) == 2)
+            st.runtime.pending_samples = 48
+            await until(lambda: len(notes) == 4)
+            assert sorted((peer, n.pending) for peer, n in notes) == [("b", 40), ("b", 48), ("c", 40), ("c", 48)]
+            assert [n.seq for _, n in notes] == sorted(n.seq for _, n in notes)
+            assert {n.epoch for _, n in notes} == {0} and len(sent) == 1  # no DHT store for them
+            failing = True
+            st.runtime.pending_samples = 56
+            await until(lambda: len(sent) == 2)  # the count by the DHT instead
+            assert announcer._announced_pending == 56
+        finally:
+            loop.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_short_lived_record_is_renewed_within_its_life() -> None:
     """Where a record lives less than a few renewals every other period, it is renewed every period."""
     directory = SimpleNamespace()
     for ttl, every in ((6.0, RENEW_PERIODS * 1.0), (1.5, 1.0)):
         net = NetConfig(announce_period=1.0, record_ttl=ttl, max_clock_offset=min(0.25, (ttl - 1.0) / 2))
-        announcer = Announcer({"optim": {"target_batch_size": 64}}, "h", "s", net, "p", directory, None, None, None)
+        announcer = Announcer({"optim": {"target_batch_size": 64}}, "h", "s", net, "p", directory, None, None, None,
+                              None)
         assert announcer.renew_every == every

@@ -13,14 +13,17 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarm.config import load_config
+from swarm.core.stepping import Replica
 from swarm.net.identity import peer_id_of
 from swarm.net.receipts import sign_receipt
 from swarm.server.batching import Batcher
 from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.handlers import StageHandlers
 from swarm.server.replies import ReplyCache
-from swarm.server.stage import ServedStage
-from swarm.wire.calls import StageCall, StageQuery
+from swarm.server.stage import ServedStage, WorkMeter
+from swarm.server.stepping import heard
+from swarm.wire.calls import CountNote, StageCall, StageQuery
+from swarm.wire.records import ServerRecord
 from swarm.wire.validate import IGNORE_INDEX, BadRequest, Unavailable
 
 CFG = load_config(overrides=["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2",
@@ -335,3 +338,43 @@ def test_a_state_taken_to_serve_the_stage_is_noted_for_the_step_plan_and_a_copy_
         with pytest.raises(BadRequest, match="joining: expected bool"):
             await handlers.state({"stage": 1, "joining": "yes"}, [], ID["caller"])
     run(scenario())
+
+
+def test_a_replicas_count_told_straight_is_kept_newest_first_and_wakes_the_step_loop():
+    async def scenario():
+        handlers, st = served(1, ComputeGate(1.0, False))
+        st.wake.clear()
+        await handlers.count(CountNote(1, 0, 40, seq=2).to_meta(), [], ID["caller"])
+        await handlers.count(CountNote(1, 0, 32, seq=1).to_meta(), [], ID["caller"])  # overtaken by the newer
+        (epoch, pending, _), = st.told_counts().values()
+        assert (epoch, pending) == (0, 40) and st.wake.is_set()
+        st.wake.clear()
+        await handlers.count(CountNote(1, 3, 8, seq=3).to_meta(), [], ID["caller"])  # not our epoch: no look
+        assert not st.wake.is_set()
+        with pytest.raises(BadRequest, match="not negative"):
+            await handlers.count({"stage": 1, "epoch": 0, "pending": -5, "seq": 4}, [], ID["caller"])
+        with pytest.raises(Unavailable, match="hosts stage 1, not 0"):
+            await handlers.count(CountNote(0, 0, 8, seq=5).to_meta(), [], ID["caller"])
+    run(scenario())
+
+
+def test_the_step_plan_takes_a_told_count_over_the_record_as_far_along():
+    record = ServerRecord(peer_id="b", stage=1, throughput=1.0, queue=0, epoch=4, pending=8, config_hash="h", model={})
+    assert heard(record, None) == Replica("b", 4, 8)
+    assert heard(record, (4, 40, 0.0)) == Replica("b", 4, 40)  # fresher than its record
+    assert heard(record, (3, 40, 0.0)) == Replica("b", 4, 8)  # a note from before the step its record shows
+
+
+def test_the_work_meter_learns_how_long_its_stage_usually_waits_for_work(monkeypatch):
+    """A stage whose passes come two seconds apart is not idle after three without work; one whose passes
+    come a tenth of a second apart is, after a period."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    for gap in (2.0, 0.1):
+        meter = WorkMeter(last_stage=True)
+        for _ in range(100):
+            meter.count("forward", 4, 0.01)
+            clock[0] += gap
+        assert meter.gap == pytest.approx(gap, rel=0.01)
+        clock[0] += 3.0 - gap  # three seconds since the last pass
+        assert meter.unusually_idle(period=1.0) == (gap < 0.5)

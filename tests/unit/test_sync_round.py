@@ -24,6 +24,7 @@ from swarm.server.gate import ComputeGate
 from swarm.server.gradvec import gradient_vector
 from swarm.server.stage import ServedStage
 from swarm.server.stepping import LOOK_EVERY, Stepper
+from swarm.wire.calls import CountNote
 
 
 def twins(n: int = 2):
@@ -313,24 +314,26 @@ def test_a_replica_that_saw_no_trainer_reads_again_at_its_next_look() -> None:
     assert asyncio.run(scenario()) == [1, 1]
 
 
-@pytest.mark.parametrize("work_ago, done, held, read_after", [
-    (0.0, False, 40, TRAINERS_QUIET),  # work comes in: the run goes on
-    (2.0, False, 40, 1),  # no work for longer than a period, samples held: the run may be over
-    (0.0, True, 40, 1),  # a trainer said it is done
-    (2.0, False, 0, TRAINERS_QUIET),  # idle around a step, holding nothing: nothing to flush
+@pytest.mark.parametrize("work_ago, usual_gap, done, held, read_after", [
+    (0.0, 0.1, False, 40, TRAINERS_QUIET),  # work comes in: the run goes on
+    (2.0, 0.1, False, 40, 1),  # no work for longer than a period, samples held: the run may be over
+    (2.0, 1.0, False, 40, TRAINERS_QUIET),  # a stage whose work comes a period apart: nothing unusual
+    (0.0, 0.1, True, 40, 1),  # a trainer said it is done
+    (2.0, 0.1, False, 0, TRAINERS_QUIET),  # idle around a step, holding nothing: nothing to flush
 ])
 def test_the_trainers_records_are_read_seldom_unless_the_stage_may_have_to_flush(
-        work_ago: float, done: bool, held: int, read_after: int) -> None:
+        work_ago: float, usual_gap: float, done: bool, held: int, read_after: int) -> None:
     """Every read of the trainers' records is served by each DHT node holding them. While calls come in,
     the run is not over and a trainer is in view: once per TRAINERS_QUIET announcement periods is enough.
-    Once a trainer says it is done, or no work came for a period, a stage holding samples may have to
-    flush them: once per period, so that the run's end is seen within one."""
+    Once a trainer says it is done, or no work came for longer than a period and than a few of the stage's
+    usual gaps between passes, a stage holding samples may have to flush them: once per period, so that
+    the run's end is seen within one."""
     period = CFG.net.announce_period
 
     async def scenario() -> list[bool]:
         directory = _Directory([SimpleNamespace(done=done)])
         st, stepper = stepper_reading(directory)
-        st.work.last = time.monotonic() - work_ago * period
+        st.work.last, st.work.gap = time.monotonic() - work_ago * period, usual_gap * period
         st.plan = replace(st.plan, peers_pending=held)  # (what the other replicas last said they hold)
         read = []
         for periods in range(1, TRAINERS_QUIET + 1):
@@ -343,12 +346,12 @@ def test_the_trainers_records_are_read_seldom_unless_the_stage_may_have_to_flush
     assert asyncio.run(scenario()) == [periods >= read_after for periods in range(1, TRAINERS_QUIET + 1)]
 
 
-@pytest.mark.parametrize("near", [False, True])
-def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: bool) -> None:
-    """Beside other replicas, their announced sample counts decide when the stage steps, but only near
-    the step; far from it the records are read once per announcement period, as by a replica alone, and a
-    read of the stage by this peer up to a period old (a trainer's view, in a server that trains) will do;
-    near it, one up to half a look's interval old."""
+@pytest.mark.parametrize("near, told", [(False, False), (True, False), (True, True)])
+def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: bool, told: bool) -> None:
+    """Beside other replicas, their sample counts decide when the stage steps, but only near the step; far
+    from it the records are read once per announcement period, as by a replica alone, and a read of the
+    stage by this peer up to a period old (a trainer's view, in a server that trains) will do; near it, one
+    up to half a look's interval old, unless every replica at our epoch told us its count within the period."""
     mate = SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)
     directory = _Directory([], [mate])
 
@@ -356,6 +359,8 @@ def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: boo
         st, stepper = stepper_reading(directory)
         st.plan = replace(st.plan, peers_at_epoch=(st.runtime.epoch, frozenset({"QmMate"})),
                           peers_pending=CFG.optim.target_batch_size if near else 0)
+        if told:
+            st.note_count("QmMate", CountNote(1, st.runtime.epoch, 8, seq=1))
         reads = []
         for ago in (LOOK_EVERY + 0.01, CFG.net.announce_period + 0.01):
             stepper._records_read = (time.monotonic() - ago, [mate])
@@ -364,5 +369,6 @@ def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: boo
         return reads
 
     assert LOOK_EVERY + 0.01 < CFG.net.announce_period
-    assert asyncio.run(scenario()) == ([1, 2] if near else [0, 1])
-    assert directory.fresh == ([LOOK_EVERY / 2] * 2 if near else [CFG.net.announce_period])
+    twice = near and not told
+    assert asyncio.run(scenario()) == ([1, 2] if twice else [0, 1])
+    assert directory.fresh == ([LOOK_EVERY / 2] * 2 if twice else [CFG.net.announce_period])

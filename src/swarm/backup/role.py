@@ -44,7 +44,7 @@ class CopiesOnly:
     async def _no_stage(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         raise Unavailable("a backup peer serves no stage")
 
-    forward = backward = state = reduce = ledger = _no_stage
+    forward = backward = state = reduce = ledger = count = _no_stage
 
 
 def run_backup_peer(cfg: SwarmConfig) -> None:

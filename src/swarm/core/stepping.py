@@ -38,17 +38,16 @@ def worth_telling(own_samples: int, peers: int, peer_samples: int, own_rate: flo
 TRAINERS_QUIET = 5  # announcement periods between reads of the trainers' records when nothing hinges on them
 
 
-def trainers_read_every(seen: bool, any_done: bool, idle: float, held: int, period: float, look: float) -> float:
+def trainers_read_every(seen: bool, any_done: bool, idle: bool, held: int, period: float, look: float) -> float:
     """Seconds between a replica's reads of the trainers' records. The plan needs them when a replica is
     alone (it steps only once it sees a trainer) and at the end of a run (every trainer done: the stage
     flushes the samples it holds short of its target). So: at every `look` while none is in view; once a
-    period while the stage holds samples and either a trainer says it is done or no work came for `idle`
-    > a period (the run may be over); else once per TRAINERS_QUIET periods. A stage that holds nothing has
-    nothing to flush: in a sync swarm every stage but the bottleneck idles for more than a period around
-    each step, and each read is served by every DHT node holding the trainers' key."""
+    period while the stage holds samples and either a trainer says it is done or no work came for longer
+    than usual (`idle`: the run may be over); else once per TRAINERS_QUIET periods. A stage that holds
+    nothing has nothing to flush, and each read is served by every DHT node holding the trainers' key."""
     if not seen:
         return look
-    if held and (any_done or idle > period):
+    if held and (any_done or idle):
         return period
     return TRAINERS_QUIET * period
 

@@ -37,7 +37,7 @@ from swarm.net.protocol import WIRE_KEY, Tagged, encode
 from swarm.net.transport import CallFailed, StageClient
 from swarm.wire.codecs import CODECS, DTYPES
 
-METHODS = ("forward", "backward", "evaluate", "reduce", "state", "ledger", "backup")
+METHODS = ("forward", "backward", "evaluate", "reduce", "state", "ledger", "backup", "count")
 KINDS = ("meta", "tensors", "wire", "bytes")
 
 

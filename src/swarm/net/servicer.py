@@ -68,6 +68,8 @@ class StageHandler(Protocol):
 
     async def backup(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
 
+    async def count(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str) -> Reply: ...
+
 
 class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler, faults: FaultFile | None = None, policy: Policy = EXACT,
@@ -192,4 +194,8 @@ class StageServicer(ServicerBase):
 
     async def rpc_backup(self, requests: Requests, context: P2PContext) -> Responses:
         async for msg in self._serve(self.handler.backup, requests, context):
+            yield msg
+
+    async def rpc_count(self, requests: Requests, context: P2PContext) -> Responses:
+        async for msg in self._serve(self.handler.count, requests, context):
             yield msg

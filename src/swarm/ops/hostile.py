@@ -58,7 +58,7 @@ class Refuser:
     async def forward(self, meta: Any, tensors: list, caller: str):
         raise BadRequest("refused by a hostile server")
 
-    backward = state = reduce = ledger = backup = forward
+    backward = state = reduce = ledger = backup = count = forward
 
 
 def server_record(cfg, me: str, stage: int, **fields: Any) -> ServerRecord:

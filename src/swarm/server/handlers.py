@@ -29,7 +29,7 @@ from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.replies import Reply, ReplyCache
 from swarm.server.stage import ServedStage
 from swarm.server.turns import IN_TURN, SOON
-from swarm.wire.calls import LedgerQuery, StageCall, StageQuery
+from swarm.wire.calls import CountNote, LedgerQuery, StageCall, StageQuery
 from swarm.wire.validate import (
     IGNORE_INDEX,
     BadRequest,
@@ -245,6 +245,12 @@ class StageHandlers:
         if query.joining:
             st.note_handed(caller, state["epoch"])
         return state, [Tagged("state", t) for t in tensors]
+
+    async def count(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
+        """Another replica's sample count near the stage's step (see `ServedStage.note_count`)."""
+        note = CountNote.from_meta(meta)
+        self._serving(note.stage).note_count(caller, note)
+        return {}, []
 
     async def ledger(self, meta: Any, tensors: list[torch.Tensor], caller: str) -> Reply:
         """Where the caller's microbatches stand here: committed by a step (and at which epoch), held in

@@ -33,6 +33,7 @@ from swarm.net.node import visible_addresses
 from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import StageServicer
+from swarm.net.transport import StageClient
 from swarm.ops.cpushare import quota_cores
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
@@ -47,6 +48,7 @@ from swarm.server.stepping import Stepper
 from swarm.server.transfer import StateTransfer
 from swarm.supervise import supervised
 from swarm.trainer.trainer import Trainer
+from swarm.wire.calls import CountNote
 
 log = logging.getLogger("swarm.server")
 
@@ -216,7 +218,7 @@ class StageServer:
         gate.count_work = st.work.count
         batcher = Batcher(st.runtime, gate, cfg.server.merge_samples, cfg.server.batch_backward_wait)
         announcer = Announcer(self.agreed, self.hash, cfg.server.name, cfg.net, peer.peer_id, peer.directory, gate, st,
-                              lambda: self.servicer.in_hand)
+                              lambda: self.servicer.in_hand, partial(tell_count, peer.client, cfg.net.announce_period))
         name = self._results_name(index)
         transfer = StateTransfer(st, gate, peer.client, peer.directory, self.hash, self.results, name,
                                  cfg.server.download_timeout, cfg.net.announce_period, self.keeper.local)
@@ -327,3 +329,8 @@ class StageServer:
             **st.counters,
             **(self.keeper.summary() if hasattr(self, "keeper") else {}),
         }, indent=1)
+
+
+async def tell_count(client: StageClient, timeout: float, peer: str, note: CountNote) -> None:
+    """A `count` call (see swarm.server.announcing.Announcer.tell_counts)."""
+    await client.call(peer, "count", note.to_meta(), [], timeout)

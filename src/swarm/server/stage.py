@@ -19,6 +19,7 @@ from swarm.model import build_stage, stage_boundary
 from swarm.server.checkpoints import CheckpointStore
 from swarm.server.records import StepRecord
 from swarm.server.runtime import StageRuntime
+from swarm.wire.calls import CountNote
 from swarm.wire.codecs import Policy
 from swarm.wire.validate import TensorSpec
 
@@ -26,6 +27,8 @@ log = logging.getLogger("swarm.server")
 # the first windows of work at a stage carry one-off costs (first-call allocations, lazy initialization):
 # the capacity figure, which decides moves and must not be skewed for long, starts after them
 WARMUP_WINDOWS = 3
+GAP_ALPHA = 0.1  # weight of the newest gap between passes in their running average
+IDLE_GAPS = 4  # usual gaps between passes that must go by without work before the run may be over
 
 
 def stage_specs(model: ModelConfig, module: torch.nn.Module) -> tuple[TensorSpec, TensorSpec | None]:
@@ -48,11 +51,21 @@ class WorkMeter:
         self._window: dict[str, tuple[int, float]] = {}  # pass -> (samples, seconds) since the last fold
         self._start = time.monotonic()
         self.last = -math.inf  # (monotonic) when the last forward or backward pass was done
+        self.gap = 0.0  # seconds between passes, averaged: how long this stage usually waits for work
 
     def count(self, work: str, samples: int, seconds: float) -> None:
         done, spent = self._window.get(work, (0, 0.0))
         self._window[work] = (done + samples, spent + seconds)
-        self.last = time.monotonic()
+        now = time.monotonic()
+        if math.isfinite(self.last):
+            self.gap += GAP_ALPHA * (now - self.last - self.gap)
+        self.last = now
+
+    def unusually_idle(self, period: float) -> bool:
+        """Whether no work came for longer than a period and than several of this stage's usual gaps
+        between passes: the run may be over (a stage that is not the bottleneck waits longer between
+        passes, and around each step, without the run being over)."""
+        return time.monotonic() - self.last > max(period, IDLE_GAPS * self.gap)
 
     def fold(self, period: float) -> None:
         now = time.monotonic()
@@ -92,6 +105,7 @@ class ServedStage:
         self.fresh = 0.0  # unix time it started the stage afresh mid-run, at its operator's word (0: it did not)
         self.previous_stage = -1  # the stage this server moved here from (-1: it joined here)
         self._handed: dict[str, tuple[int, float]] = {}  # peer -> (epoch, monotonic time) of our state it took
+        self._told: dict[str, tuple[CountNote, float]] = {}  # peer -> the newest count it told us, and when
 
     @classmethod
     def build(cls, model: ModelConfig, optim: OptimConfig, server: ServerConfig, index: int, peer_id: str,
@@ -135,6 +149,23 @@ class ServedStage:
     def handed_now(self) -> dict[str, float]:
         """The peers that downloaded our state at our current epoch, and when."""
         return {p: t for p, (e, t) in self._handed.items() if e == self.runtime.epoch}
+
+    def note_count(self, peer: str, note: CountNote) -> None:
+        """A count another replica told us (`count` calls, near the step): the step plan takes it over the
+        sample count of that peer's DHT record at the same epoch, and looks at once if it is for ours. Only
+        peers in the stage's records are listened to (see `told_counts`), so a stranger's note changes nothing."""
+        now = time.monotonic()
+        held = self._told.get(peer)
+        if held is not None and held[0].seq >= note.seq:
+            return  # an older note that overtook a newer one
+        self._told = {p: (n, t) for p, (n, t) in self._told.items() if n.epoch >= self.runtime.epoch}
+        self._told[peer] = (note, now)
+        if note.epoch == self.runtime.epoch:
+            self.wake.set()
+
+    def told_counts(self) -> dict[str, tuple[int, int, float]]:
+        """peer -> (epoch, samples, monotonic time) of the newest count it told us."""
+        return {p: (n.epoch, n.pending, t) for p, (n, t) in self._told.items()}
 
     def drop_if_lapsed(self) -> bool:
         """A replica that stalled long enough for its DHT record to lapse has been taken for dead:

@@ -36,7 +36,7 @@ from swarm.core.stepping import (
     unproven,
 )
 from swarm.core.vouching import keeper as keeper_of
-from swarm.net.directory import Directory, lapsed_in, short
+from swarm.net.directory import RENEW_PERIODS, Directory, lapsed_in, short
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.gate import ComputeGate
@@ -52,6 +52,14 @@ log = logging.getLogger("swarm.server")
 LOOK_EVERY = 0.5
 STRIKES = 3  # rounds in a row a peer refuses before it is left out (a replica a step behind refuses one or two)
 DISTRUST_TTLS = 10  # record lifetimes such a peer stays left out
+
+
+def heard(record: ServerRecord, told: tuple[int, int, float] | None) -> Replica:
+    """A replica as its record shows it, or as it told us itself (`count` calls) where that is as far along:
+    near the step its notes are fresher than its record, which it renews only every few periods."""
+    if told is not None and told[0] >= record.epoch:
+        return Replica(record.peer_id, told[0], told[1])
+    return Replica(record.peer_id, record.epoch, record.pending)
 
 
 class Stepper:
@@ -160,9 +168,12 @@ class Stepper:
         st = self.stage
         records, trainers = await asyncio.gather(self._records(), self._trainers())
         proposal, st.proposal = st.proposal, None
+        # a note is fresher than the record only until the record's next renewal
+        now, renewals = time.monotonic(), RENEW_PERIODS * self.net.announce_period
+        told = {p: c for p, c in st.told_counts().items() if now - c[2] < renewals}
         view = StepView(
-            now=time.monotonic(), me=self.peer_id, epoch=st.runtime.epoch, pending=st.runtime.pending_samples,
-            others=tuple(Replica(r.peer_id, r.epoch, r.pending) for r in records if r.peer_id != self.peer_id),
+            now=now, me=self.peer_id, epoch=st.runtime.epoch, pending=st.runtime.pending_samples,
+            others=tuple(heard(r, told.get(r.peer_id)) for r in records if r.peer_id != self.peer_id),
             trainers=len(trainers), trainers_done=all(t.done for t in trainers), proposal=proposal,
             target_batch_size=self.target_batch_size, grace=self.grace, lapsed=self._lapsed,
             handed=st.handed_now(),
@@ -176,14 +187,15 @@ class Stepper:
         period: a look woken by each new gradient would otherwise read the DHT several times a second, and
         every read is served by each DHT node holding the stage's key, CPU taken from every host's compute
         (in the straggler benchmark a server's DHT process, daemon and network threads took about a tenth
-        of its 0.45-core share). A read of the stage by this peer begun up to that interval before (a
+        of its 0.45-core share). Near the step, replicas that told us their counts within the period (`count`
+        calls) need no such reads. A read of the stage by this peer begun up to that interval before (a
         trainer's view, in a server that trains) serves instead of a new one; near the step, up to half of it.
         A newcomer is seen within a period."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
         near = (others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
-                or bool(self.stage.handed_now()))
+                and not self._heard_from_all(now) or bool(self.stage.handed_now()))
         every = LOOK_EVERY if near else self.net.announce_period
         if now - self._records_read[0] >= every:
             found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2 if near else every)
@@ -194,12 +206,21 @@ class Stepper:
             self._records_read = (now, records)
         return self._records_read[1]
 
+    def _heard_from_all(self, now: float) -> bool:
+        """Whether every replica last seen at our epoch told us its count within the last period (`count`
+        calls): their counts then need no reads of their records."""
+        epoch, peers = self.stage.plan.peers_at_epoch
+        told = self.stage.told_counts()
+        return epoch == self.stage.runtime.epoch and all(
+            p in told and told[p][0] == epoch and now - told[p][2] < self.net.announce_period for p in peers)
+
     async def _trainers(self) -> list[TrainerRecord]:
         """The trainers in view, read as often as `trainers_read_every` says."""
         now = time.monotonic()
         seen = self._trainers_read[1]
         held = self.stage.runtime.pending_samples + self.stage.plan.peers_pending
-        every = trainers_read_every(bool(seen), any(t.done for t in seen), now - self.stage.work.last, held,
+        every = trainers_read_every(bool(seen), any(t.done for t in seen),
+                                    self.stage.work.unusually_idle(self.net.announce_period), held,
                                     self.net.announce_period, LOOK_EVERY)
         if now - self._trainers_read[0] >= every:
             self._trainers_read = (now, await self.directory.trainers())

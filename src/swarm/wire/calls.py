@@ -93,3 +93,26 @@ class LedgerQuery:
         if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
             raise BadRequest("ledger takes a list of request ids")
         return cls(stage, tuple(ids))
+
+
+@dataclass(frozen=True)
+class CountNote:
+    """A replica's sample count, told straight to the stage's other replicas near a step (`count`), where a
+    DHT store would cost every node holding the stage's key. `seq` orders one sender's notes (calls may
+    overtake each other)."""
+
+    stage: int
+    epoch: int
+    pending: int
+    seq: int
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"stage": self.stage, "epoch": self.epoch, "pending": self.pending, "seq": self.seq}
+
+    @classmethod
+    def from_meta(cls, meta: Any) -> CountNote:
+        stage = _stage(meta)
+        values = [_field(meta, name, int) for name in ("epoch", "pending", "seq")]
+        if min(values) < 0:
+            raise BadRequest("a count note's epoch, samples and sequence number are not negative")
+        return cls(stage, *values)
