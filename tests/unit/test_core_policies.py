@@ -48,6 +48,15 @@ def test_failures_during_a_ban_are_one_outage():
     assert bans.ban("p", 1.0) == 2.0
 
 
+def test_a_shorter_first_ban_stands_for_the_base_and_doubles_the_same_way():
+    """A call that timed out after 3 s bans its server for 3 s, not the 15 s base; if it keeps failing, the
+    ban doubles from there; never longer than the base would give."""
+    bans = BanList(base_seconds=15.0, max_seconds=60.0)
+    assert bans.ban("p", 0.0, base=3.0) == 3.0
+    assert bans.ban("p", 3.0, base=3.0) == 6.0
+    assert bans.ban("q", 0.0, base=40.0) == 15.0
+
+
 def test_forgive_keeps_running_ban():
     bans = BanList(base_seconds=4.0, max_seconds=60.0)
     bans.ban("p", 0.0)

@@ -20,7 +20,7 @@ from swarm.server.batching import Batcher
 from swarm.server.gate import ComputeGate, Deadline
 from swarm.server.handlers import StageHandlers
 from swarm.server.replies import ReplyCache
-from swarm.server.stage import ServedStage, WorkMeter
+from swarm.server.stage import MAX_TOLD, ServedStage, WorkMeter
 from swarm.server.stepping import heard
 from swarm.wire.calls import CountNote, StageCall, StageQuery
 from swarm.wire.records import ServerRecord
@@ -349,12 +349,17 @@ def test_a_replicas_count_told_straight_is_kept_newest_first_and_wakes_the_step_
         (epoch, pending, _), = st.told_counts().values()
         assert (epoch, pending) == (0, 40) and st.wake.is_set()
         st.wake.clear()
-        await handlers.count(CountNote(1, 3, 8, seq=3).to_meta(), [], ID["caller"])  # not our epoch: no look
-        assert not st.wake.is_set()
+        await handlers.count(CountNote(1, 1, 8, seq=3).to_meta(), [], ID["caller"])  # the next epoch: no look
+        assert not st.wake.is_set() and list(st.told_counts().values())[0][:2] == (1, 8)
+        await handlers.count(CountNote(1, 9, 8, seq=4).to_meta(), [], ID["caller"])  # far ahead: not kept
+        assert list(st.told_counts().values())[0][:2] == (1, 8)
         with pytest.raises(BadRequest, match="not negative"):
-            await handlers.count({"stage": 1, "epoch": 0, "pending": -5, "seq": 4}, [], ID["caller"])
+            await handlers.count({"stage": 1, "epoch": 0, "pending": -5, "seq": 5}, [], ID["caller"])
         with pytest.raises(Unavailable, match="hosts stage 1, not 0"):
-            await handlers.count(CountNote(0, 0, 8, seq=5).to_meta(), [], ID["caller"])
+            await handlers.count(CountNote(0, 0, 8, seq=6).to_meta(), [], ID["caller"])
+        for i in range(2 * MAX_TOLD):  # a flood of identities keeps at most MAX_TOLD notes
+            st.note_count(f"peer{i}", CountNote(1, 0, 8, seq=1))
+        assert len(st.told_counts()) == MAX_TOLD
     run(scenario())
 
 

@@ -162,7 +162,9 @@ class TrainerConfig:
     # a stage gradient that only one replica's step holds (no second replica, no checkpoint) is kept for
     # replay until the stage is this many steps further: memory against losing a lone replica's steps
     keep_epochs: int = 4
-    ban_seconds: float = 15.0  # a server that failed is not picked again for this long
+    # a server that failed is not picked again for this long (one whose call timed out: for as long as the
+    # call waited, if less), doubling while it keeps failing
+    ban_seconds: float = 15.0
     max_attempts: int = 20  # per stage call, across servers, before the microbatch is given up
     index: int = 0  # tells trainers apart in summaries and logs (the data is shared out through the DHT)
     # seconds between progress lines in the log (a progress bar instead where stderr is a terminal); also

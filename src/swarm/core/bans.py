@@ -21,12 +21,14 @@ class BanList:
         self._until: dict[str, float] = {}
         self._failures: dict[str, int] = {}
 
-    def ban(self, peer_id: str, now: float) -> float:
-        """Record a failure of `peer_id`; returns how long it stays banned from `now`."""
+    def ban(self, peer_id: str, now: float, base: float | None = None) -> float:
+        """Record a failure of `peer_id`; returns how long it stays banned from `now`. `base`, if shorter than
+        `base_seconds`, stands for it in this ban (a call that timed out: see `swarm.trainer.calls`)."""
         if self.is_banned(peer_id, now):
             return self.remaining(peer_id, now)
         failures = self._failures.get(peer_id, 0)
-        duration = min(self.base_seconds * 2.0 ** min(failures, _MAX_DOUBLINGS), self.max_seconds)
+        first = self.base_seconds if base is None else min(base, self.base_seconds)
+        duration = min(first * 2.0 ** min(failures, _MAX_DOUBLINGS), self.max_seconds)
         self._failures[peer_id] = failures + 1
         self._until[peer_id] = now + duration
         return duration

@@ -29,6 +29,7 @@ log = logging.getLogger("swarm.server")
 WARMUP_WINDOWS = 3
 GAP_ALPHA = 0.1  # weight of the newest gap between passes in their running average
 IDLE_GAPS = 4  # usual gaps between passes that must go by without work before the run may be over
+MAX_TOLD = 256  # peers whose counts are kept (a stage has far fewer replicas)
 
 
 def stage_specs(model: ModelConfig, module: torch.nn.Module) -> tuple[TensorSpec, TensorSpec | None]:
@@ -154,11 +155,13 @@ class ServedStage:
         """A count another replica told us (`count` calls, near the step): the step plan takes it over the
         sample count of that peer's DHT record at the same epoch, and looks at once if it is for ours. Only
         peers in the stage's records are listened to (see `told_counts`), so a stranger's note changes nothing."""
-        now = time.monotonic()
+        now, epoch = time.monotonic(), self.runtime.epoch
         held = self._told.get(peer)
-        if held is not None and held[0].seq >= note.seq:
-            return  # an older note that overtook a newer one
-        self._told = {p: (n, t) for p, (n, t) in self._told.items() if n.epoch >= self.runtime.epoch}
+        if held is not None and held[0].seq >= note.seq or not epoch <= note.epoch <= epoch + 1:
+            return  # an older note that overtook a newer one, or one of no step we are about to take
+        self._told = {p: (n, t) for p, (n, t) in self._told.items() if n.epoch >= epoch}
+        while len(self._told) >= MAX_TOLD:  # (many identities, each telling once: the oldest go)
+            del self._told[min(self._told, key=lambda p: self._told[p][1])]
         self._told[peer] = (note, now)
         if note.epoch == self.runtime.epoch:
             self.wake.set()

@@ -234,18 +234,24 @@ class StageCaller:
             if call.accumulate and not error.answered:
                 tried.holder = (peer, call.epoch)
             tried.repeat, tried.prefer = None, None
-            self._fault(stage, method, peer, call, waited)
+            self._fault(stage, method, peer, call, waited, error.timed_out)
             log.info("stage %d %s on %s failed after %.1fs (%s); retrying elsewhere%s", stage, method, short(peer),
                      waited, error,
                      " for the input gradient only" if tried.holder else "")
         await asyncio.sleep(backoff_delay(min(tried.count, 6), 0.05, 2.0, self.rng))
 
-    def _fault(self, stage: int, method: str, peer: str, call: StageCall, waited: float) -> None:
+    def _fault(self, stage: int, method: str, peer: str, call: StageCall, waited: float, timed_out: bool = False
+               ) -> None:
         """Ban a server that failed a call and count the call against its measured latency, as long as we
         would have waited for it at least: a server announcing much and never answering then loses its
         weight in routing as well as its turn (see `swarm.core.routing.ServerLatencies`). A broken
-        connection repeated on the same server is neither, until the repeat fails too."""
-        self.bans.ban(peer, time.monotonic())
+        connection repeated on the same server is neither, until the repeat fails too. A call that timed
+        out bans its server for as long as it waited, if that is less than `trainer.ban_seconds` (doubling
+        while it keeps failing): a live server that fell behind, as a fast one can while its first calls
+        warm it up, is out of turn only as long as its queue took, not for a whole ban with the stage's
+        bulk of work sent to slower replicas; a hung one is still left out longer at each failure, and a
+        frozen or dead one once its record lapses."""
+        self.bans.ban(peer, time.monotonic(), base=waited if timed_out else None)
         self.measured[stage].failed(peer, method, max(waited, call.timeout) / (1 + self._ahead(stage, peer)))
 
     async def _wait_for_server(self, stage: int) -> None:
