@@ -150,6 +150,21 @@ def test_a_calls_timeout_counts_the_requests_queued_ahead_of_it():
     assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 30.0
 
 
+def test_a_server_measured_slower_than_the_stages_typical_one_gets_as_much_longer_to_answer():
+    """The measured latency is the stage's, its fast and slow replicas together: a replica whose calls take
+    three times the fast one's, about half again as long as the stage's typical call, gets about half again
+    the bound; the fast one gets the bound itself, not less."""
+    trainer = _trainer("wrr", (("fast", 1.0), ("slow", 1.0)), None, "trainer.min_request_timeout=2.0",
+                       "trainer.request_timeout=30.0")
+    for _ in range(20):
+        trainer.latency[0, "forward"].observe(0.1)
+        trainer.measured[0].answered("fast", "forward", 0.1)
+        trainer.measured[0].answered("slow", "forward", 0.3)
+    fast, slow = (trainer._stage_call(0, "forward", "r", False, peer, 1).timeout for peer in ("fast", "slow"))
+    assert fast == 2.0  # the floor
+    assert slow == pytest.approx(2.0 * trainer.measured[0].latency("slow")) and slow > 2.0 * 1.4
+
+
 def test_backwards_owed_to_a_server_count_in_its_load_until_they_are_sent():
     """A server that ran forwards still owes their backwards (it keeps the graphs): routing weighs it as
     loaded by them, as by calls outstanding there, until each backward is sent."""

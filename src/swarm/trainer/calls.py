@@ -149,11 +149,15 @@ class StageCaller:
         is longer): a call behind a long queue is not late, and giving it up to send it again behind the
         same queue would only waste the work. Past its deadline a server drops the request: by then we
         have sent it elsewhere, and a delivery in doubt is judged only request_timeout after its failure
-        (see swarm.trainer.delivery). An accumulating call carries its receipt for `peer`."""
+        (see swarm.trainer.delivery). A server whose calls we found slower than the stage's typical call
+        gets as many times longer (the measured latency is the stage's, fast and slow replicas together): a
+        slow replica's calls would otherwise time out for being slow, not for failing. An accumulating call
+        carries its receipt for `peer`."""
         tc = self.tc
         latency = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
                                                       tc.request_timeout)
-        timeout = min(latency * (1 + self._ahead(stage, peer)), tc.request_timeout)
+        slower = max(1.0, self.measured[stage].latency(peer) or 1.0)
+        timeout = min(latency * slower * (1 + self._ahead(stage, peer)), tc.request_timeout)
         deadline = time.time() + timeout + tc.request_timeout / 2
         epoch = self.view.live_epoch(stage, ignore=self.bans.failing())
         receipt = self.sign(req, stage, peer, samples) if accumulate and self.sign is not None else ""
