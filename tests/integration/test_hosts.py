@@ -175,6 +175,10 @@ def test_separate_hosts_train_by_the_readme_and_outlive_the_bootstrap(machines, 
     assert_exactly_once(summary)
     assert_replicas_in_step(summary, merged)
     assert len(summary["stages"]["1"]["replicas"]) == 3
+    # replicas of a stage, each on its own host, told each other their counts near the steps (`count` calls)
+    heard = [json.loads(p.read_text()).get("counts_heard", 0) for n in (*servers, "s1c")
+             for p in (tmp_path / n / "peers").glob("server-*.json")]
+    assert sum(heard) > 0, heard
     trainers = {t["index"]: t for t in map(json.loads, (p.read_text() for n in ("t0", "t1")
                                                        for p in (tmp_path / n / "peers").glob("trainer-*.json")))}
     assert trainers[1]["samples"] > 0 and trainers[1]["unresolved"] == 0  # the one behind the NAT, with iptables

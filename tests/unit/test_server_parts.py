@@ -348,6 +348,7 @@ def test_a_replicas_count_told_straight_is_kept_newest_first_and_wakes_the_step_
         await handlers.count(CountNote(1, 0, 32, seq=1).to_meta(), [], ID["caller"])  # overtaken by the newer
         (epoch, pending, _), = st.told_counts().values()
         assert (epoch, pending) == (0, 40) and st.wake.is_set()
+        assert st.counters["counts_heard"] == 1  # (the overtaken note is not counted)
         st.wake.clear()
         await handlers.count(CountNote(1, 1, 8, seq=3).to_meta(), [], ID["caller"])  # the next epoch: no look
         assert not st.wake.is_set() and list(st.told_counts().values())[0][:2] == (1, 8)

@@ -88,7 +88,7 @@ class ServedStage:
         self.work = WorkMeter(runtime.is_last)
         self.steps: list[StepRecord] = []
         self.counters = {"refused": 0, "failed_rounds": 0, "catch_ups": 0, "lost_samples": 0, "stale_refusals": 0,
-                         "busy_refusals": 0, "samples_served": 0}
+                         "busy_refusals": 0, "samples_served": 0, "counts_heard": 0}
         self.started = time.time()
         self.since = time.monotonic()
         self.busy_start = 0.0  # the compute gate's busy seconds when the server entered the stage
@@ -163,6 +163,7 @@ class ServedStage:
         while len(self._told) >= MAX_TOLD:  # (many identities, each telling once: the oldest go)
             del self._told[min(self._told, key=lambda p: self._told[p][1])]
         self._told[peer] = (note, now)
+        self.counters["counts_heard"] += 1
         if note.epoch == self.runtime.epoch:
             self.wake.set()
 

@@ -194,8 +194,8 @@ class Stepper:
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
-        near = (others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
-                and not self._heard_from_all(now) or bool(self.stage.handed_now()))
+        near = ((others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
+                 and not self._heard_from_all(now)) or bool(self.stage.handed_now()))
         every = LOOK_EVERY if near else self.net.announce_period
         if now - self._records_read[0] >= every:
             found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2 if near else every)
