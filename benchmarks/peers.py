@@ -27,7 +27,8 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   with a fault-free swarm of the servers that survive (2 + 1), run right after.
 - gpu (where torch sees a CUDA device; skipped with a line saying so elsewhere): the fault-free model in
   one process on the GPU, and the local swarm with every server on that GPU (bf16 autocast and TF32,
-  the servers' GPU defaults). Reference: the single process.
+  the servers' GPU defaults), its trainer a process of its own ("swarm") and inside the stage-0 server
+  ("swarm+train"). Reference: the single process.
 
 Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
 against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
@@ -223,12 +224,15 @@ def warmed_up(run_dir: Path) -> float:
 
 def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | None:
     """The fault-free model on one GPU: the single process, and the swarm's servers all on that GPU
-    (each with the servers' GPU defaults). None where torch sees no CUDA device."""
+    (each with the servers' GPU defaults), with its trainer in a process of its own and inside the stage-0
+    server's process (whose calls to that stage then skip the p2p daemon). None where torch sees no CUDA device."""
     if not torch.cuda.is_available():
         return None
     cfg = load_config(overrides=overrides)
+    on_gpu = [*overrides, 'server.device="cuda"']
     return {"single": {"samples_per_second": baseline(cfg, steps, "cuda")},
-            "swarm": swarm_run([*overrides, 'server.device="cuda"'], steps, f"{run_dir}/swarm")}
+            "swarm": swarm_run(on_gpu, steps, f"{run_dir}/swarm"),
+            "swarm+train": swarm_run([*on_gpu, *HOSTED], steps, f"{run_dir}/swarm+train")}
 
 
 def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
