@@ -252,6 +252,14 @@ def test_finite_but_huge_values_are_refused_by_the_bounds() -> None:
     check_norm("grad_outputs", huge, 0.0)  # 0: no bound
 
 
+def test_a_half_precision_gradient_is_normed_in_float32_where_its_squares_fit() -> None:
+    """60000 is within float16, its square is not: a norm in the tensor's own dtype would be infinite."""
+    big = torch.full((4, 32, 32), 60000.0, dtype=torch.float16)  # norm 60000 * 64 = 3.84e6
+    check_norm("grad_outputs", big, 4e6)
+    with pytest.raises(BadRequest, match="norm 3.84e\\+06 exceeds the bound of 3e\\+06"):
+        check_norm("grad_outputs", big, 3e6)
+
+
 def test_a_record_whose_subkey_is_no_peer_id_is_dropped_and_the_rest_read() -> None:
     """A forged subkey once crashed whoever tried to call it; now the read leaves it out, and also a
     record set to live far longer than a server record does."""
