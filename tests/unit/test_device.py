@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 from tests.unit.test_runtime import OPTIM, batch, tiny_cfg
+from tests.unit.test_servicer_limit import FakeContext, FakeId
 
 from swarm.model import ComposedModel, load_stages
+from swarm.net import protocol
+from swarm.net.protocol import Tagged
+from swarm.net.servicer import StageServicer
 from swarm.server.device import autocast_dtype
 from swarm.server.gradvec import gradient_vector
 from swarm.server.runtime import StageRuntime
-from swarm.wire.codecs import Packed, Policy, decode, encode
+from swarm.wire.codecs import CODECS, Packed, Policy, decode, encode
+from swarm.wire.validate import BadRequest, check_norm, largest_magnitude
 
 WIRE = Policy({"activations": "blockwise8", "gradients": "blockwise8"})
 
@@ -44,6 +51,76 @@ def test_results_leave_the_compute_thread_packed_on_the_host() -> None:
     assert packing.backward("mb", inputs, decode(grad)) is None  # the first stage has no input gradient
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_packed_tensor_is_unpacked_where_it_is_asked_for(codec: str) -> None:
+    """Its parts go there first, and every operation of the codec runs there: on the "meta" device, which
+    holds no values, a step left on the host would fail or leave a host tensor."""
+    x = torch.randn(3, 40, 16, dtype=torch.bfloat16)
+    out = decode(encode(x, codec), torch.device("meta"))
+    assert out.device.type == "meta" and out.shape == x.shape and out.dtype == x.dtype
+
+
+class Arrivals:
+    """A stage handler that notes where each call's tensors arrived."""
+
+    max_request_bytes = 1 << 24
+
+    def __init__(self) -> None:
+        self.devices: dict[str, set[str]] = {}
+
+    def refused(self, method, caller, error) -> None:
+        raise AssertionError(f"nothing is refused here: {error}")
+
+    def _note(self, method: str, tensors: list[torch.Tensor]) -> tuple[dict, list]:
+        self.devices[method] = {t.device.type for t in tensors}
+        return {}, []
+
+    async def forward(self, meta, tensors, caller):
+        return self._note("forward", tensors)
+
+    async def backward(self, meta, tensors, caller):
+        return self._note("backward", tensors)
+
+    async def evaluate(self, meta, tensors, caller):
+        return self._note("evaluate", tensors)
+
+    async def reduce(self, meta, tensors, caller):
+        return self._note("reduce", tensors)
+
+
+def test_a_servers_stage_calls_arrive_on_its_device_and_its_other_calls_on_the_host() -> None:
+    """Forwards, backwards and evaluations are unpacked where the stage computes (a GPU server's own
+    GPU); all-reduce parts stay on the host, where the round sums them."""
+    handler = Arrivals()
+    servicer = StageServicer(handler, device=torch.device("meta"))
+    wire = Policy({"activations": "blockwise8", "gradients": "blockwise8"})
+    tensors = [torch.randint(0, 256, (2, 16)), Tagged("gradients", torch.randn(2, 16, 32))]
+
+    async def scenario() -> None:
+        for method in ("forward", "backward", "evaluate", "reduce"):
+            async def requests():
+                for msg in protocol.encode(runtime_pb2.ExpertRequest, {}, tensors, wire):
+                    yield msg
+            async for _ in getattr(servicer, f"rpc_{method}")(requests(), FakeContext(FakeId("QmCaller"))):
+                pass
+
+    asyncio.run(scenario())
+    assert handler.devices == {"forward": {"meta"}, "backward": {"meta"}, "evaluate": {"meta"}, "reduce": {"cpu"}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_request_unpacked_on_the_gpu_is_the_hosts_and_passes_the_same_checks() -> None:
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    dy = torch.randn(4, 64, 256)
+    packed = encode(dy, "blockwise8")
+    there, here = decode(packed, gpu), decode(packed)
+    assert there.device == gpu and torch.equal(there.cpu(), here)
+    assert largest_magnitude(there) == largest_magnitude(here)
+    check_norm("grad_outputs", there, 1e4)
+    with pytest.raises(BadRequest, match="exceeds the bound"):
+        check_norm("grad_outputs", there, 1.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_a_stage_pipeline_trains_on_the_gpu() -> None:
     """Two stages on the GPU with the defaults (bf16 autocast where the GPU has it, TF32): results are
@@ -57,9 +134,10 @@ def test_a_stage_pipeline_trains_on_the_gpu() -> None:
     inputs, targets = batch(4, seed=2)
     (hidden,) = first.forward([("mb", inputs)])
     assert isinstance(hidden, Packed) and all(part.device.type == "cpu" for part in hidden.parts)
-    loss, grad = last.forward_backward_last("mb", decode(hidden), targets)
+    # each request unpacked on the GPU, as a GPU server's servicer does
+    loss, grad = last.forward_backward_last("mb", decode(hidden, last.device), targets.to(last.device))
     assert loss == pytest.approx(reference(inputs, targets).item(), abs=5e-2)
-    assert first.backward("mb", inputs, decode(grad)) is None
+    assert first.backward("mb", inputs.to(first.device), decode(grad, first.device)) is None
     for rt in (first, last):
         before = rt.digest()
         mean = gradient_vector(rt.params) / 4

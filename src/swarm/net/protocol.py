@@ -125,22 +125,23 @@ class Received:
     meta: dict[str, Any]
     packs: list[codecs.Packed]
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [codecs.decode(p) for p in self.packs]
+    def tensors(self, device: torch.device | None = None) -> list[torch.Tensor]:
+        return [codecs.decode(p, device) for p in self.packs]
 
-    async def unpacked(self) -> list[torch.Tensor]:
-        """`tensors`, unpacked on a worker thread (see `packed`)."""
-        return await asyncio.to_thread(self.tensors) if self.packs else []
+    async def unpacked(self, device: torch.device | None = None) -> list[torch.Tensor]:
+        """`tensors`, unpacked on a worker thread (see `packed`), on `device` if given."""
+        return await asyncio.to_thread(self.tensors, device) if self.packs else []
 
 
 async def decode(
     stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None,
-    admit: Callable[[dict[str, Any]], None] | None = None,
+    admit: Callable[[dict[str, Any]], None] | None = None, device: torch.device | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Reassemble a stream produced by `encode`; raises BadRequest on an oversized or malformed one.
-    `admit` sees the metadata as soon as it arrives, before any tensor is read: it raises to refuse."""
+    """Reassemble a stream produced by `encode`, its tensors on `device` (default: the host); raises
+    BadRequest on an oversized or malformed one. `admit` sees the metadata as soon as it arrives, before
+    any tensor is read: it raises to refuse."""
     received = await receive(stream, max_bytes, traffic, admit)
-    return received.meta, await received.unpacked()
+    return received.meta, await received.unpacked(device)
 
 
 async def receive(

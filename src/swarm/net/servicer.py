@@ -74,8 +74,12 @@ class StageHandler(Protocol):
 class StageServicer(ServicerBase):
     def __init__(self, handler: StageHandler, faults: FaultFile | None = None, policy: Policy = EXACT,
                  traffic: Traffic | None = None, delay: float = 0.0, secret: SwarmSecret | None = None,
-                 max_calls_per_peer: int = MAX_CALLS_PER_PEER, quiet: Quiet | None = None):
+                 max_calls_per_peer: int = MAX_CALLS_PER_PEER, quiet: Quiet | None = None,
+                 device: torch.device | None = None):
         self.handler = handler
+        # where the stage computes: its calls' tensors are unpacked there (see codecs.decode); the other
+        # calls' (all-reduce parts, states, copies) stay on the host, where their handlers use them
+        self.device = device
         self.secret = secret
         self._strangers: set[str] = set()  # callers refused for want of the secret (each logged once)
         self.max_calls_per_peer = max_calls_per_peer
@@ -94,7 +98,8 @@ class StageServicer(ServicerBase):
         while calls wait on anything but compute (the network, a step, a stalled peer)."""
         return sum(self.calls.values())
 
-    async def _serve(self, handler: Handler, requests: Requests, context: P2PContext) -> Responses:
+    async def _serve(self, handler: Handler, requests: Requests, context: P2PContext,
+                     onto: torch.device | None = None) -> Responses:
         caller = context.remote_id.to_base58()
         name = getattr(handler, "__name__", str(handler))
         in_flight = self.calls.get(caller, 0)
@@ -118,7 +123,7 @@ class StageServicer(ServicerBase):
             return
         self.calls[caller] = in_flight + 1
         try:
-            async for msg in self._serve_admitted(handler, name, requests, context, caller):
+            async for msg in self._serve_admitted(handler, name, requests, context, caller, onto):
                 yield msg
         finally:
             left = self.calls.pop(caller) - 1
@@ -126,7 +131,7 @@ class StageServicer(ServicerBase):
                 self.calls[caller] = left
 
     async def _serve_admitted(self, handler: Handler, name: str, requests: Requests, context: P2PContext,
-                              caller: str) -> Responses:
+                              caller: str, onto: torch.device | None) -> Responses:
         """One call within its caller's limit: decode, handle, encode the reply or the error."""
         me = context.local_id.to_base58()
         remote = caller != me  # else a call of this process's own trainer (`serve_local`): no network between
@@ -138,7 +143,7 @@ class StageServicer(ServicerBase):
         try:
             admit = None if self.secret is None else partial(self._admit, caller, me)
             # codec work, both ways, on worker threads: the event loop also renews this server's DHT records
-            meta, tensors = await decode(requests, self.handler.max_request_bytes, traffic, admit)
+            meta, tensors = await decode(requests, self.handler.max_request_bytes, traffic, admit, onto)
             meta, items = await handler(meta, tensors, caller)
             reply: Reply = meta, await packed(items, self.policy)
         except NotMember:
@@ -169,15 +174,15 @@ class StageServicer(ServicerBase):
             raise NotMember(caller)
 
     async def rpc_forward(self, requests: Requests, context: P2PContext) -> Responses:
-        async for msg in self._serve(self.handler.forward, requests, context):
+        async for msg in self._serve(self.handler.forward, requests, context, self.device):
             yield msg
 
     async def rpc_backward(self, requests: Requests, context: P2PContext) -> Responses:
-        async for msg in self._serve(self.handler.backward, requests, context):
+        async for msg in self._serve(self.handler.backward, requests, context, self.device):
             yield msg
 
     async def rpc_evaluate(self, requests: Requests, context: P2PContext) -> Responses:
-        async for msg in self._serve(self.handler.evaluate, requests, context):
+        async for msg in self._serve(self.handler.evaluate, requests, context, self.device):
             yield msg
 
     async def rpc_reduce(self, requests: Requests, context: P2PContext) -> Responses:

@@ -20,14 +20,20 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def resolve(device: torch.device) -> torch.device:
+    """The device with its index: a plain "cuda" means the current GPU, and tensors report it as cuda:N,
+    so comparisons need the index (and a worker thread's current GPU need not be the server's)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def prepare(device: torch.device) -> torch.device:
     """Make `device` current and, on a GPU, let fp32 matmuls and convolutions use TF32 (several times
-    the fp32 rate on Ampere and newer, with 10-bit mantissas). The device with its index: a plain "cuda"
-    means the current GPU, and tensors report it as cuda:N, so comparisons need the index."""
+    the fp32 rate on Ampere and newer, with 10-bit mantissas). The device `resolve` gives."""
     if device.type != "cuda":
         return device
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve(device)
     torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True

@@ -39,6 +39,7 @@ from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.batching import Batcher
 from swarm.server.calibration import calibrate
+from swarm.server.device import resolve
 from swarm.server.gate import ComputeGate
 from swarm.server.handlers import StageHandlers
 from swarm.server.moving import Mover, least_served_stage
@@ -132,7 +133,7 @@ class StageServer:
         p2p, half_rtt = self.peer.p2p, cfg.net.emulated_rtt_ms / 2000
         await JoinServicer(p2p, self.peer.secret).add_p2p_handlers(p2p)
         self.servicer = StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic, half_rtt,
-                                      self.peer.secret)
+                                      self.peer.secret, device=resolve(torch.device(cfg.server.device)))
         await self.servicer.add_p2p_handlers(p2p)
         self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net,
                                    self.peer.client, self.peer.directory, self._serving_stage)
