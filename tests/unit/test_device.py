@@ -110,12 +110,15 @@ def test_a_servers_stage_calls_arrive_on_its_device_and_its_other_calls_on_the_h
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_a_request_unpacked_on_the_gpu_is_the_hosts_and_passes_the_same_checks() -> None:
+    """The same values within float32's rounding: a GPU's kernels need not round as the host's do (a first
+    version of this test, asking for equal bits, failed on an H200)."""
     gpu = torch.device("cuda", torch.cuda.current_device())
     dy = torch.randn(4, 64, 256)
     packed = encode(dy, "blockwise8")
     there, here = decode(packed, gpu), decode(packed)
-    assert there.device == gpu and torch.equal(there.cpu(), here)
-    assert largest_magnitude(there) == largest_magnitude(here)
+    assert there.device == gpu
+    torch.testing.assert_close(there.cpu(), here, rtol=1e-6, atol=0.0)
+    assert largest_magnitude(there) == pytest.approx(largest_magnitude(here), rel=1e-6)
     check_norm("grad_outputs", there, 1e4)
     with pytest.raises(BadRequest, match="exceeds the bound"):
         check_norm("grad_outputs", there, 1.0)
