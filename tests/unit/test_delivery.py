@@ -62,7 +62,7 @@ def test_answers_of_several_replicas_merge() -> None:
     """The most advanced replica has not heard of it, the holder still has it: wait, not replay."""
     answers = {"advanced": reply(7, {"m2": 6}, durable=6), "holder": reply(6, {"m2": 6}, ["m1"], durable=5)}
     assert merge_answers(answers, "m1", "holder", 4) == LedgerAnswer(7, None, True, 6)
-    assert merge_answers(answers, "m2", "holder", 4) == LedgerAnswer(7, 6, False, 5)
+    assert merge_answers(answers, "m2", "holder", 4) == LedgerAnswer(7, 6, False, 5, claimed_epoch=7)
     assert judge(6, True, merge_answers(answers, "m1", "holder", 4)) is Verdict.WAIT
 
 
@@ -86,6 +86,22 @@ def test_a_commit_that_a_replica_past_it_does_not_know_of_is_disputed_and_waited
     # replicas that agree settle it
     merged = merge_answers({"a": liar, "b": reply(8, {"m1": 8}, durable=8)}, "m1", "dead holder", 4)
     assert not merged.disputed and judge(7, False, merged) is Verdict.DONE
+
+
+def test_a_commit_on_a_superseded_branch_is_not_taken_for_old_enough_by_the_others_epochs() -> None:
+    """A replica stepped alone to epoch 8 with m1 (it struck its groupmate out, or finished a round its
+    groupmate failed); the stage went on without that step. Once the others are keep_epochs past 8 they no
+    longer dispute the claim, and its age must then be the claimant's: counted from the others' epochs the
+    trainer would forget m1, which no step of the stage's history took."""
+    forked, stage = reply(9, {"m1": 8}, durable=7), reply(12)
+    merged = merge_answers({"forked": forked, "stage": stage}, "m1", "forked", 4)
+    assert not merged.disputed and merged.claimed_epoch == 9
+    assert judge(7, True, merged) is Verdict.WAIT
+    # the forked replica catches up: its ledger is the stage's, m1 is nowhere, and the stage is past it
+    merged = merge_answers({"forked": reply(12), "stage": stage}, "m1", "forked", 4)
+    assert judge(7, True, merged) is Verdict.REPLAY
+    # a lone replica's own commit still becomes old enough as that replica goes on
+    assert judge(7, True, merge_answers({"alone": reply(12, {"m1": 8}, durable=7)}, "m1", "alone", 4)) is Verdict.DONE
 
 
 @pytest.mark.parametrize("bad", [

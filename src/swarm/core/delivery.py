@@ -7,7 +7,8 @@ that step is on disk. It asks one up-to-date replica of the stage about its open
 judges each from the answer:
 
 - committed by a step that is durable (another replica took the same step, or it is on disk), or
-  that is `keep_epochs` old (the bound on what a trainer keeps for a stage no one else can back): done;
+  that is `keep_epochs` old (the bound on what a trainer keeps for a stage no one else can back) for the
+  replica that claims it: done;
 - committed, not yet durable, or still held unstepped by some replica: wait;
 - neither, and the stage has stepped past the epoch the gradient was accumulated in (the replica that
   held it died, left, or dropped it to catch up), or the replica that held it is gone: send it again.
@@ -38,6 +39,10 @@ class LedgerAnswer:
     durable: int  # the newest epoch that outlives the replica reporting the commit: taken by two or more
     # replicas, or on disk
     disputed: bool = False  # a replica that must know of the commit, had it happened, does not
+    # the most advanced epoch of the replicas that claim the commit (None: `epoch`). A commit is
+    # `keep_epochs` old for the history that took it, not for another: a replica that stepped alone on a
+    # branch the stage's others superseded still claims it, while the others, further on, no longer check
+    claimed_epoch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ def judge(
     if answer.disputed:
         return Verdict.WAIT
     if answer.committed_at is not None:
-        durable = answer.committed_at <= max(answer.durable, answer.epoch - keep_epochs) or not need_durable
+        reached = answer.epoch if answer.claimed_epoch is None else answer.claimed_epoch
+        durable = answer.committed_at <= max(answer.durable, reached - keep_epochs) or not need_durable
         return Verdict.DONE if durable else Verdict.WAIT
     if answer.pending:
         return Verdict.WAIT
@@ -97,11 +103,13 @@ def merge_answers(answers: dict[str, LedgerReply], req: str, holder: str, keep_e
     - every replica that took the step of a commit, or later loaded the state of one that did, lists it
       for `keep_epochs` epochs (see swarm.core.ledger): one at an epoch in that span that lists it
       neither committed nor pending disputes a claim of it committed;
-    - the earliest commit claimed counts, with the durability its claimant reports."""
+    - the earliest commit claimed counts, with the durability its claimant reports, and is as old as the
+      most advanced replica claiming it has gone past it."""
     if not answers:
         raise ValueError("no answers to merge")
     claims = {peer: (a.committed[req], a.durable) for peer, a in answers.items() if req in a.committed}
     committed_at = min(claims.values())[0] if claims else None
+    claimed_epoch = max((answers[p].epoch for p, (e, _) in claims.items() if e == committed_at), default=None)
     disputed = committed_at is not None and any(
         committed_at <= a.epoch < committed_at + keep_epochs and req not in a.pending
         for peer, a in answers.items() if peer not in claims
@@ -112,4 +120,5 @@ def merge_answers(answers: dict[str, LedgerReply], req: str, holder: str, keep_e
         pending=holder in answers and req in answers[holder].pending,
         durable=min(d for _, d in claims.values()) if claims else max(a.durable for a in answers.values()),
         disputed=disputed,
+        claimed_epoch=claimed_epoch,
     )
