@@ -39,7 +39,7 @@ def test_the_made_up_microbatch_is_counted_by_the_compute_gate_as_served_work_is
     async def scenario() -> None:
         gate = ComputeGate(3.0, True)
         _, st = served(0, gate)
-        gate.count_work = lambda work, samples, seconds: counted.append((work, samples))
+        gate.count_work = lambda work, samples, seconds, alone: counted.append((work, samples))
         await calibrate(st, gate, 4, CFG.model.vocab_size)
 
     asyncio.run(scenario())

@@ -242,7 +242,7 @@ def test_the_gate_counts_work_by_pass_and_slows_down_by_cpu_time():
     async def scenario():
         counted = []
         gate = ComputeGate(3.0, True)
-        gate.count_work = lambda work, samples, seconds: counted.append((work, samples, seconds))
+        gate.count_work = lambda work, samples, seconds, alone: counted.append((work, samples, seconds))
         spin = lambda: sum(i * i for i in range(200_000))  # noqa: E731
         started = time.perf_counter()
         await gate.run(spin, work="forward", samples=4)
@@ -384,3 +384,29 @@ def test_the_work_meter_learns_how_long_its_stage_usually_waits_for_work(monkeyp
         assert meter.gap == pytest.approx(gap, rel=0.01)
         clock[0] += 3.0 - gap  # three seconds since the last pass
         assert meter.unusually_idle(period=1.0) == (gap < 0.5)
+
+
+def test_routing_weighs_work_as_served_and_rebalancing_as_it_would_go_alone(monkeypatch):
+    """Under a CPU quota a busy server's jobs stretch with its own network work (the quota is shared);
+    the figure a move is planned on is what the server would do with the quota to itself, the same busy
+    or idle, so that an idle stage's servers do not look faster than a busy one's for being idle."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    meter = WorkMeter(last_stage=True)
+    for _ in range(20):
+        meter.count("forward", 8, 2.0, alone=1.0)  # served in 2 s, 1 s of it this server's own work
+        clock[0] += 1.0
+        meter.fold(period=1.0)
+    assert meter.meter.rate == pytest.approx(4.0) and meter.capacity.rate == pytest.approx(8.0)
+
+
+def test_the_gate_counts_a_jobs_cpu_time_over_the_quota_as_its_time_alone():
+    async def scenario():
+        counted = []
+        gate = ComputeGate(1.0, False, quota=0.5)
+        gate.count_work = lambda work, samples, seconds, alone: counted.append((seconds, alone))
+        await gate.run(lambda: sum(i * i for i in range(200_000)), work="forward", samples=4)
+        ((served, alone),) = counted
+        assert alone == pytest.approx(2 * gate._cost) and served >= gate._cost
+        gate.close()
+    run(scenario())

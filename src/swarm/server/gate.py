@@ -26,7 +26,8 @@ from swarm.wire.calls import StageCall
 from swarm.wire.validate import Unavailable
 
 # (pass, samples, seconds): forward or backward work done, for the throughput figures
-WorkCounter = Callable[[str, int, float], None]
+# (pass, samples, seconds as served, seconds with the server's cores to itself; see `run_locked`)
+WorkCounter = Callable[[str, int, float, float], None]
 # the compute thread's name as the operating system shows it (`top -H`, /proc/PID/task/TID/comm), so that
 # its CPU time can be told from the rest of the process's (swarm.ops.procs.cpu_split)
 COMPUTE_THREAD = "swarm-compute"
@@ -58,15 +59,17 @@ class Deadline:
 
 
 class ComputeGate:
-    def __init__(self, slowdown: float, cost_by_cpu: bool):
+    def __init__(self, slowdown: float, cost_by_cpu: bool, quota: float | None = None):
         """`slowdown`: see `_slowed`. `cost_by_cpu`: this thread does all of the work (a CPU server with
-        one torch thread, not held to a CPU quota), so its CPU time is what a job costs."""
+        one torch thread, not held to a CPU quota), so its CPU time is what a job costs. `quota`: the cores
+        a CPU quota holds this server to, where this thread does all of the work there."""
         self.slowdown = slowdown
         self.cost_by_cpu = cost_by_cpu
+        self.quota = quota
         self.lock = TurnLock()  # steps go first (`lock.urgent()`): see swarm.server.turns
         self.backlog = Backlog()  # jobs waiting for the lock, and what they will take
         self.busy_seconds = 0.0  # wall time the thread spent on jobs
-        self.count_work: WorkCounter = lambda work, samples, seconds: None
+        self.count_work: WorkCounter = lambda work, samples, seconds, alone: None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute", initializer=name_os_thread,
                                             initargs=(COMPUTE_THREAD,))
         self._cost = 0.0  # what the thread's last job cost
@@ -102,7 +105,15 @@ class ComputeGate:
 
         Only forward and backward passes (`work`) count toward the throughput figures: an optimizer step
         costs every replica of a stage the same whatever share of the samples it served, so counting it
-        would make a server look slower the more replicas its stage has."""
+        would make a server look slower the more replicas its stage has.
+
+        Each job is counted twice: as served (under a CPU quota, the wall time: the server's own network
+        work and helper processes take from the same quota, as they would on a machine of that size), and
+        as it would take with the quota to itself (its CPU time over the quota). Routing weighs a stage's
+        servers by the first; rebalancing, which predicts a server's speed in another stage, by the
+        second: in the straggler benchmark the busy stage-0 servers served at 40% of their speed alone and
+        the half-idle stage-1 servers at all of it, a stage-1 server moved to stage 0 on that, and the
+        trainer's rate fell from 8.8 to 6.6 samples/s."""
         start = time.perf_counter()
         self.backlog.started(work, samples, time.monotonic())
         job = asyncio.get_running_loop().run_in_executor(self._executor, self._slowed, fn, *args)
@@ -116,7 +127,8 @@ class ComputeGate:
             self.busy_seconds += elapsed
             self.backlog.finished(work, samples, elapsed)
             if work is not None:
-                self.count_work(work, samples, self._cost if self.cost_by_cpu else elapsed)
+                served = self._cost if self.cost_by_cpu else elapsed
+                self.count_work(work, samples, served, self._cost / min(self.quota, 1.0) if self.quota else served)
 
     def _slowed(self, fn, *args):
         """Run `fn`, then idle `slowdown - 1` times its CPU time: a slower machine, to the swarm.

@@ -112,8 +112,9 @@ class StageServer:
         loop.set_exception_handler(_ignore_cancelled_stream_handlers)
         self.lag = LoopLag()  # how long the event loop was kept from running (in the summary)
         # under a CPU quota the quota is the machine: time spent throttled is what the work costs there
-        self.gate = ComputeGate(cfg.server.slowdown, cfg.server.device == "cpu" and torch.get_num_threads() == 1
-                                and quota_cores() is None)
+        # (as served; see ComputeGate.run_locked for the figure rebalancing takes)
+        alone, quota = cfg.server.device == "cpu" and torch.get_num_threads() == 1, quota_cores()
+        self.gate = ComputeGate(cfg.server.slowdown, alone and quota is None, quota if alone else None)
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)

@@ -42,21 +42,25 @@ def stage_specs(model: ModelConfig, module: torch.nn.Module) -> tuple[TensorSpec
 
 class WorkMeter:
     """Samples/s of forward+backward compute, folded from windows of at least one announcement period:
-    over the last few windows for routing (`meter`), and over the last ten or so for rebalancing
-    (`capacity`), which must not move servers on a passing fluctuation."""
+    over the last few windows for routing (`meter`, of the work as served), and over the last ten or so
+    for rebalancing (`capacity`, of the work as it would go with the server's cores to itself: see
+    `ComputeGate.run_locked`), which must not move servers on a passing fluctuation."""
 
     def __init__(self, last_stage: bool):
         passes = ("forward",) if last_stage else ("forward", "backward")
         self.meter = StageRate(passes, alpha=0.3)
         self.capacity = StageRate(passes, alpha=0.1, skip=WARMUP_WINDOWS)
         self._window: dict[str, tuple[int, float]] = {}  # pass -> (samples, seconds) since the last fold
+        self._alone: dict[str, tuple[int, float]] = {}  # the same, in seconds with the cores to itself
         self._start = time.monotonic()
         self.last = -math.inf  # (monotonic) when the last forward or backward pass was done
         self.gap = 0.0  # seconds between passes, averaged: how long this stage usually waits for work
 
-    def count(self, work: str, samples: int, seconds: float) -> None:
+    def count(self, work: str, samples: int, seconds: float, alone: float | None = None) -> None:
         done, spent = self._window.get(work, (0, 0.0))
         self._window[work] = (done + samples, spent + seconds)
+        spent_alone = self._alone.get(work, (0, 0.0))[1]
+        self._alone[work] = (done + samples, spent_alone + (seconds if alone is None else alone))
         now = time.monotonic()
         if math.isfinite(self.last):
             self.gap += GAP_ALPHA * (now - self.last - self.gap)
@@ -72,8 +76,8 @@ class WorkMeter:
         now = time.monotonic()
         if self._window and now - self._start >= period:
             self.meter.update(self._window)
-            self.capacity.update(self._window)
-            self._window, self._start = {}, now
+            self.capacity.update(self._alone)
+            self._window, self._alone, self._start = {}, {}, now
 
 
 class ServedStage:
