@@ -25,8 +25,8 @@ from swarm.server.turns import IN_TURN, TurnLock
 from swarm.wire.calls import StageCall
 from swarm.wire.validate import Unavailable
 
-# (pass, samples, seconds): forward or backward work done, for the throughput figures
-# (pass, samples, seconds as served, seconds with the server's cores to itself; see `run_locked`)
+# (pass, samples, seconds as served, seconds with the server's cores to itself): forward or backward work
+# done, for the throughput figures (see `ComputeGate.run_locked`)
 WorkCounter = Callable[[str, int, float, float], None]
 # the compute thread's name as the operating system shows it (`top -H`, /proc/PID/task/TID/comm), so that
 # its CPU time can be told from the rest of the process's (swarm.ops.procs.cpu_split)
