@@ -102,6 +102,11 @@ def test_a_commit_on_a_superseded_branch_is_not_taken_for_old_enough_by_the_othe
     assert judge(7, True, merged) is Verdict.REPLAY
     # a lone replica's own commit still becomes old enough as that replica goes on
     assert judge(7, True, merge_answers({"alone": reply(12, {"m1": 8}, durable=7)}, "m1", "alone", 4)) is Verdict.DONE
+    # at the end of a run a commit need not be durable, but a claim from behind the stage is still waited on
+    merged = merge_answers({"forked": reply(9, {"m1": 9}, durable=7), "stage": reply(13)}, "m1", "forked", 4)
+    assert not merged.disputed and judge(8, True, merged, need_durable=False) is Verdict.WAIT
+    merged = merge_answers({"last": reply(10, {"m1": 10}, durable=7), "behind": reply(9)}, "m1", "last", 4)
+    assert judge(9, True, merged, need_durable=False) is Verdict.DONE
 
 
 @pytest.mark.parametrize("bad", [

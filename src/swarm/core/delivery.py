@@ -78,16 +78,19 @@ def judge(
     """The verdict on a gradient accumulated at epoch `accumulated_at` by a replica that is (or not)
     still in the stage's directory, given what the replicas asked answered.
 
-    `need_durable` False accepts any commit: at the end of a run nothing more is coming to make the
-    last steps durable. A disputed commit is waited on: neither forgetting the gradient (it may never
-    have been stepped) nor sending it again (it may have been) is safe until the replicas agree.
+    `need_durable` False accepts a commit claimed at the stage's furthest epoch: at the end of a run nothing
+    more is coming to make the last steps durable. A claim from behind that epoch is still waited on: its
+    claimant stepped on a branch the others left (else they would list the commit, or it would be durable),
+    and once it catches up the gradient is nowhere and is sent again. A disputed commit is waited on:
+    neither forgetting the gradient (it may never have been stepped) nor sending it again (it may have
+    been) is safe until the replicas agree.
     """
     if answer.disputed:
         return Verdict.WAIT
     if answer.committed_at is not None:
         reached = answer.epoch if answer.claimed_epoch is None else answer.claimed_epoch
-        durable = answer.committed_at <= max(answer.durable, reached - keep_epochs) or not need_durable
-        return Verdict.DONE if durable else Verdict.WAIT
+        durable = answer.committed_at <= max(answer.durable, reached - keep_epochs)
+        return Verdict.DONE if durable or (not need_durable and reached >= answer.epoch) else Verdict.WAIT
     if answer.pending:
         return Verdict.WAIT
     if answer.epoch > accumulated_at or not holder_alive:
