@@ -51,7 +51,7 @@ class WorkMeter:
         self.meter = StageRate(passes, alpha=0.3)
         self.capacity = StageRate(passes, alpha=0.1, skip=WARMUP_WINDOWS)
         self._window: dict[str, tuple[int, float]] = {}  # pass -> (samples, seconds) since the last fold
-        self._alone: dict[str, tuple[int, float]] = {}  # the same, in seconds with the cores to itself
+        self._alone: dict[str, float] = {}  # pass -> its seconds in the window with the cores to itself
         self._start = time.monotonic()
         self.last = -math.inf  # (monotonic) when the last forward or backward pass was done
         self.gap = 0.0  # seconds between passes, averaged: how long this stage usually waits for work
@@ -59,8 +59,7 @@ class WorkMeter:
     def count(self, work: str, samples: int, seconds: float, alone: float | None = None) -> None:
         done, spent = self._window.get(work, (0, 0.0))
         self._window[work] = (done + samples, spent + seconds)
-        spent_alone = self._alone.get(work, (0, 0.0))[1]
-        self._alone[work] = (done + samples, spent_alone + (seconds if alone is None else alone))
+        self._alone[work] = self._alone.get(work, 0.0) + (seconds if alone is None else alone)
         now = time.monotonic()
         if math.isfinite(self.last):
             self.gap += GAP_ALPHA * (now - self.last - self.gap)
@@ -76,7 +75,7 @@ class WorkMeter:
         now = time.monotonic()
         if self._window and now - self._start >= period:
             self.meter.update(self._window)
-            self.capacity.update(self._alone)
+            self.capacity.update({work: (done, self._alone[work]) for work, (done, _) in self._window.items()})
             self._window, self._alone, self._start = {}, {}, now
 
 
