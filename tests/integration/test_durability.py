@@ -15,6 +15,7 @@ import pytest
 from swarm.ops import netlab
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, Peer
+from swarm.ops.pinning import core_sets
 from swarm.ops.report import read_steps
 
 from .helpers import assert_replicas_in_step, finish, run_swarm, small_config
@@ -136,3 +137,10 @@ def test_with_no_copy_a_newcomer_waits_and_starts_afresh_only_when_told(tmp_path
               and s.get("entry") is None and s["epoch"] > 0]
     assert joined and all([f["stage"] for f in s["fresh_starts"]] == [1] for s in joined)
     assert [stage for stage, _ in summary["fresh_starts"]] == [1]
+    # each of the first two servers computed on a core of its own; the newcomer took the dead one's, and the
+    # fresh server, started while both were held, was left to the OS
+    sets = core_sets(os.sched_getaffinity(0), 2, 1)
+    if sets:
+        assert [s["compute_cores"] for s in summaries(tmp_path, "server-s0-")] == [list(sets[0])]
+        assert [s["compute_cores"] for s in joined] == [list(sets[1])]
+        assert fresh[0]["compute_cores"] == sorted(os.sched_getaffinity(0))

@@ -21,6 +21,10 @@ class ServerConfig:
     # scale carried through every stage (a grad scaler), which a pipeline of independent servers lacks
     autocast: str = "auto"
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    # CPU ids the compute thread, and the torch threads it starts, are kept on (empty: wherever the OS puts
+    # them); its network and DHT work goes wherever a core is free. For servers sharing a machine: each on
+    # cores of its own (`swarm local` does so where the cores suffice: local.pin_compute)
+    compute_cores: tuple[int, ...] = ()
     max_request_samples: int = 64  # larger requests are refused
     # Forward requests that queue up are merged into one batch of up to this many samples (0: never).
     # Merging pays on a GPU; on a CPU it does not, and a merged batch's graph must wait for every
@@ -76,6 +80,8 @@ class ServerConfig:
                 "have: use bf16, which needs none")
         require(self.autocast in ("auto", "none", "bf16"), "server.autocast", "must be auto, none or bf16")
         require(self.threads >= 0, "server.threads", "must be >= 0")
+        require(all(c >= 0 for c in self.compute_cores) and len(set(self.compute_cores)) == len(self.compute_cores),
+                "server.compute_cores", f"must be distinct CPU ids >= 0, got {list(self.compute_cores)}")
         require(self.max_request_samples > 0, "server.max_request_samples", "must be positive")
         require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")
         require(self.batch_backward_wait >= 0, "server.batch_backward_wait", "must be >= 0")
@@ -210,6 +216,10 @@ class LocalSwarmConfig:
     # daemon fewer per trainer. The trainers then start with their servers.
     trainers_in_servers: bool = False
     threads_per_peer: int = 1
+    # each server's compute thread on `threads_per_peer` cores of its own (server.compute_cores) when the
+    # machine has that many for every server the launch starts; otherwise, and for servers started later
+    # while no pinned server's cores are free, the OS places them
+    pin_compute: bool = True
     # threads of each peer's libp2p daemon (Go's GOMAXPROCS; 0: Go's default, one per core). Daemons of peers
     # sharing a machine, each with a thread per core, spin for work on the cores the compute needs: the
     # fault-free local swarm of BENCHMARKS.md ran 10-23% faster at 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from swarm.ops.netlab import Host
 from swarm.ops.procs import signal_machine
 
 log = logging.getLogger(__name__)
+KILL_WAIT = 10.0  # seconds a killed peer of ours may take to be gone
 ACTIONS = ("kill", "freeze", "thaw", "cut", "heal", "shape", "unshape", "delay")
 
 
@@ -73,7 +75,14 @@ class FaultInjector:
             out.write(json.dumps(asdict(event)) + "\n")
 
     def kill(self, peer: Peer | str) -> None:
+        """SIGKILL the peer's machine; a peer this process started is gone when this returns (a server
+        started next may take its cores: `LocalSwarm.add_server`)."""
         self._signal(peer, signal.SIGKILL)
+        if not isinstance(peer, str):
+            try:
+                peer.process.wait(timeout=KILL_WAIT)
+            except subprocess.TimeoutExpired:
+                log.warning("%s still runs %.0f s after SIGKILL", peer.name, KILL_WAIT)
         self._record("kill", peer)
 
     def freeze(self, peer: Peer | str) -> None:

@@ -29,6 +29,7 @@ from swarm.net.node import start_dht
 from swarm.ops import netlab
 from swarm.ops.cpushare import CpuShare
 from swarm.ops.netlab import Host, NetLab
+from swarm.ops.pinning import Cores, core_sets, free_set
 from swarm.ops.procs import signal_machine
 from swarm.ops.status import SwarmStatus, read_status
 
@@ -81,6 +82,8 @@ class LocalSwarm:
         self.lab: NetLab | None = None
         self.shares: list[CpuShare] = []
         self.hosted: dict[int, Peer] = {}  # trainer index -> the server whose process runs it (`server.train`)
+        self.core_sets: list[Cores] = []  # the servers' compute cores, where the launch pins them
+        self.pinned: dict[str, Cores] = {}  # server name -> the cores its compute thread is kept on
 
     # ---- starting peers ----------------------------------------------------------------------
 
@@ -147,6 +150,7 @@ class LocalSwarm:
             raise ConfigError(f"local.trainers: {loc.trainers} trainers inside servers (local.trainers_in_servers) "
                               f"need as many servers; {sum(layout)} start")
         self.start_bootstrap()
+        self._plan_cores(sum(layout))
         slowdowns, delays = iter(loc.slowdowns), iter(loc.reply_delays)
         hosted = iter(range(loc.trainers if loc.trainers_in_servers else 0))
         for stage, count in enumerate(layout):
@@ -182,6 +186,24 @@ class LocalSwarm:
         self._wait(lambda: addr_file.exists() and addr_file.read_text().strip(), 60, "the bootstrap peer", bootstrap)
         self.initial_peers = tuple(addr_file.read_text().split())
 
+    def _plan_cores(self, servers: int) -> None:
+        loc = self.cfg.local
+        if not (loc.pin_compute and hasattr(os, "sched_getaffinity")):
+            return
+        available = os.sched_getaffinity(0)
+        self.core_sets = core_sets(available, servers, loc.threads_per_peer)
+        if self.core_sets:
+            log.info("each server's compute on cores of its own: %s",
+                     " ".join(",".join(map(str, cores)) for cores in self.core_sets))
+        else:
+            log.info("servers' compute not pinned: %d servers x %d threads, %d cores", servers,
+                     loc.threads_per_peer, len(available))
+
+    def _free_cores(self) -> Cores | None:
+        held = {cores for name, cores in self.pinned.items()
+                if any(p.name == name and p.process.poll() is None for p in self.peers)}
+        return free_set(self.core_sets, held)
+
     def _peers_override(self) -> str:
         return "net.initial_peers=[" + ",".join(f'"{a}"' for a in self.initial_peers) + "]"
 
@@ -190,7 +212,12 @@ class LocalSwarm:
         """A server of `stage`; on a namespace host of its own if `namespace` (default: `local.netns`)."""
         self._counter += 1
         name = f"server-s{stage}-{self._counter}"
-        args = [self._peers_override(), f"server.stage={stage}", f'server.name="{name}"', *overrides]
+        args = [self._peers_override(), f"server.stage={stage}", f'server.name="{name}"']
+        cores = None if any(o.startswith("server.compute_cores=") for o in overrides) else self._free_cores()
+        if cores is not None:
+            args.append(f"server.compute_cores={list(cores)}")
+            self.pinned[name] = cores
+        args += overrides
         host = None
         if self.cfg.local.netns if namespace is None else namespace:
             host = self._host(name)

@@ -114,7 +114,8 @@ class StageServer:
         # under a CPU quota the quota is the machine: time spent throttled is what the work costs there
         # (as served; see ComputeGate.run_locked for the figure rebalancing takes)
         alone, quota = cfg.server.device == "cpu" and torch.get_num_threads() == 1, quota_cores()
-        self.gate = ComputeGate(cfg.server.slowdown, alone and quota is None, quota if alone else None)
+        self.gate = ComputeGate(cfg.server.slowdown, alone and quota is None, quota if alone else None,
+                                cfg.server.compute_cores)
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
@@ -322,6 +323,7 @@ class StageServer:
             "capacity": st.work.capacity.rate,
             "traffic": self.traffic.as_dict(),
             "busy_seconds": self.gate.busy_seconds - st.busy_start,
+            "compute_cores": list(self.gate.cores),  # the CPUs its compute thread could run on
             "alive_seconds": time.time() - st.started,
             # this peer's DHT operations by kind (with a trainer inside, the trainer's count here too)
             "dht_ops": dict(self.peer.directory.ops) if self.peer is not None else {},
