@@ -101,7 +101,8 @@ def test_a_stage_that_loses_every_replica_comes_back_from_its_copy(tmp_path: Pat
 
 @pytest.mark.timeout(300)
 def test_with_no_copy_a_newcomer_waits_and_starts_afresh_only_when_told(tmp_path: Path) -> None:
-    cfg = small_config(tmp_path, "local.servers_per_stage=1", "trainer.target_steps=1000", "backup.holders=0")
+    cfg = small_config(tmp_path, "local.servers_per_stage=1", "trainer.target_steps=1000", "backup.holders=0",
+                       "local.pin_compute=true")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     started: dict[str, Peer] = {}

@@ -216,10 +216,11 @@ class LocalSwarmConfig:
     # daemon fewer per trainer. The trainers then start with their servers.
     trainers_in_servers: bool = False
     threads_per_peer: int = 1
-    # each server's compute thread on `threads_per_peer` cores of its own (server.compute_cores) when the
+    # each CPU server's compute thread on `threads_per_peer` cores of its own (server.compute_cores) when the
     # machine has that many for every server the launch starts; otherwise, and for servers started later
-    # while no pinned server's cores are free, the OS places them
-    pin_compute: bool = True
+    # while no pinned server's cores are free, the OS places them. Off: two servers on two cores made the
+    # same samples/s pinned or not (BENCHMARKS.md); machines with many cores per server may differ
+    pin_compute: bool = False
     # threads of each peer's libp2p daemon (Go's GOMAXPROCS; 0: Go's default, one per core). Daemons of peers
     # sharing a machine, each with a thread per core, spin for work on the cores the compute needs: the
     # fault-free local swarm of BENCHMARKS.md ran 10-23% faster at 1

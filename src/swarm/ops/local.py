@@ -188,7 +188,8 @@ class LocalSwarm:
 
     def _plan_cores(self, servers: int) -> None:
         loc = self.cfg.local
-        if not (loc.pin_compute and hasattr(os, "sched_getaffinity")):
+        # (a GPU server's compute thread launches kernels: what pinning saves a CPU server, it does not)
+        if not (loc.pin_compute and self.cfg.server.device == "cpu" and hasattr(os, "sched_getaffinity")):
             return
         available = os.sched_getaffinity(0)
         self.core_sets = core_sets(available, servers, loc.threads_per_peer)

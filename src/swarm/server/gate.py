@@ -99,9 +99,8 @@ class ComputeGate:
     def _start_thread(self, cores: frozenset[int]) -> None:
         """Name the compute thread, and keep it on `cores` (if any): Linux pins the calling thread alone,
         and threads it starts later (torch's intra-op pool) inherit its cores, while the server's other
-        threads and processes go wherever a core is free. Servers sharing a machine then keep their
-        compute off each other's cores and caches: a local swarm of two servers on two cores, each pinned
-        to its own, made 24.0 samples/s (median of 3) where unpinned it made 22.9."""
+        threads and processes go wherever a core is free: servers sharing a machine keep their compute
+        off each other's cores and caches."""
         name_os_thread(COMPUTE_THREAD)
         if cores:
             os.sched_setaffinity(0, cores)
