@@ -134,7 +134,8 @@ def test_the_epoch_callers_expect_and_the_run_s_progress_ignore_a_lying_record()
 
 def test_a_calls_timeout_counts_the_requests_queued_ahead_of_it():
     """A call behind k requests at its server may wait k + 1 times a call's measured latency bound (ours in
-    flight there, or the queue it announced, whichever is longer), never beyond request_timeout."""
+    flight there, or the queue it announced, whichever is longer), never beyond request_timeout. A forward
+    also waits for the backwards the server owes us, which go first there; a backward does not."""
     trainer = _trainer("wrr", (("a", 1.0), ("b", 1.0)), None, "trainer.min_request_timeout=2.0",
                        "trainer.request_timeout=30.0")
     alone = trainer._stage_call(0, "forward", "r", False, "a", 1).timeout
@@ -144,6 +145,13 @@ def test_a_calls_timeout_counts_the_requests_queued_ahead_of_it():
     assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 2.0  # the floor
     trainer.inflight["a"] = 3
     assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 8.0
+    for _ in range(2):
+        trainer.owe("a")
+        trainer.latency[0, "backward"].observe(0.1)
+    assert trainer._stage_call(0, "forward", "r", False, "a", 1).timeout == 12.0
+    assert trainer._stage_call(0, "backward", "r", True, "a", 1).timeout == 8.0
+    trainer.repay("a")
+    trainer.repay("a")
     trainer.view.servers[0][1] = replace(trainer.view.servers[0][1], queue=5)
     assert trainer._stage_call(0, "forward", "r", False, "b", 1).timeout == 12.0
     trainer.inflight["a"] = 40

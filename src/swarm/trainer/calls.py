@@ -145,34 +145,37 @@ class StageCaller:
     def _stage_call(self, stage: int, method: str, req: str, accumulate: bool, peer: str, samples: int
                     ) -> StageCall:
         """The call's metadata, its timeout following the latency measured for such calls, once for each
-        request queued ahead of it at `peer` (ours in flight there, or the queue it announced, whichever
-        is longer): a call behind a long queue is not late, and giving it up to send it again behind the
-        same queue would only waste the work. Past its deadline a server drops the request: by then we
-        have sent it elsewhere, and a delivery in doubt is judged only request_timeout after its failure
-        (see swarm.trainer.delivery). A server whose calls we found slower than the stage's typical call
-        gets as many times longer (the measured latency is the stage's, fast and slow replicas together): a
-        slow replica's calls would otherwise time out for being slow, not for failing. An accumulating call
-        carries its receipt for `peer`."""
+        request served ahead of it at `peer` (see `_ahead`): a call behind a long queue is not late, and
+        giving it up to send it again behind the same queue would only waste the work. Past its deadline a
+        server drops the request: by then we have sent it elsewhere, and a delivery in doubt is judged only
+        request_timeout after its failure (see swarm.trainer.delivery). A server whose calls we found slower
+        than the stage's typical call gets as many times longer (the measured latency is the stage's, fast
+        and slow replicas together): a slow replica's calls would otherwise time out for being slow, not
+        for failing. An accumulating call carries its receipt for `peer`."""
         tc = self.tc
         latency = self.latency[stage, method].timeout(min(tc.min_request_timeout, tc.request_timeout),
                                                       tc.request_timeout)
         slower = max(1.0, self.measured[stage].latency(peer) or 1.0)
-        timeout = min(latency * slower * (1 + self._ahead(stage, peer)), tc.request_timeout)
+        timeout = min(latency * slower * (1 + self._ahead(stage, peer, method)), tc.request_timeout)
         deadline = time.time() + timeout + tc.request_timeout / 2
         epoch = self.view.live_epoch(stage, ignore=self.bans.failing())
         receipt = self.sign(req, stage, peer, samples) if accumulate and self.sign is not None else ""
         return StageCall(req, stage, self.hash, epoch, timeout, deadline, accumulate, receipt)
 
-    def _ahead(self, stage: int, peer: str) -> int:
-        """Requests queued at `peer` ahead of a call sent now: ours in flight there, or the queue it
-        announced (other callers' too, as of its last announcement), whichever is longer."""
+    def _ahead(self, stage: int, peer: str, method: str) -> int:
+        """Requests `peer` serves before a call sent now: ours in flight there (for a forward, also the
+        backwards it owes us, which go before queued forwards there: swarm.server.turns), or the queue it
+        announced (other callers' too, as of its last announcement), whichever is longer. In a straggler
+        run a starting trainer's forward to the fast stage-0 server, sent with none of ours in flight there,
+        timed out at the 5 s floor behind the backwards of the microbatches it had forwarded just before."""
         announced = next((r.queue for r in self.view.servers[stage] if r.peer_id == peer), 0)
-        return max(self.inflight.get(peer, 0), announced)
+        ours = self.inflight.get(peer, 0) + (self.owed.get(peer, 0) if method == "forward" else 0)
+        return max(ours, announced)
 
     async def _timed(self, method: str, peer: str, call: StageCall, tensors: list[Carried]):
         # a call's seconds count against the server per request it had to serve (its queue and ours): a
         # fast server that routing keeps busy answers as late as a slow idle one, and must not look slow
-        per_request = 1 + self._ahead(call.stage, peer)
+        per_request = 1 + self._ahead(call.stage, peer, method)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
         started = time.perf_counter()
         waiting = asyncio.ensure_future(
@@ -256,7 +259,7 @@ class StageCaller:
         bulk of work sent to slower replicas; a hung one is still left out longer at each failure, and a
         frozen or dead one once its record lapses."""
         self.bans.ban(peer, time.monotonic(), base=waited if timed_out else None)
-        self.measured[stage].failed(peer, method, max(waited, call.timeout) / (1 + self._ahead(stage, peer)))
+        self.measured[stage].failed(peer, method, max(waited, call.timeout) / (1 + self._ahead(stage, peer, method)))
 
     async def _wait_for_server(self, stage: int) -> None:
         servers = self.view.servers[stage]
