@@ -201,8 +201,7 @@ class LocalSwarm:
                      loc.threads_per_peer, len(available))
 
     def _free_cores(self) -> Cores | None:
-        held = {cores for name, cores in self.pinned.items()
-                if any(p.name == name and p.process.poll() is None for p in self.peers)}
+        held = {self.pinned[p.name] for p in self.peers if p.name in self.pinned and p.process.poll() is None}
         return free_set(self.core_sets, held)
 
     def _peers_override(self) -> str:

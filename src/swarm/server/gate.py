@@ -57,8 +57,6 @@ def usable_cores(cores: Collection[int]) -> frozenset[int]:
     return frozenset(cores)
 
 
-
-
 @dataclass(frozen=True)
 class Deadline:
     """When a request is no longer worth applying. `arrival_bound`: the caller's timeout counted from
