@@ -14,8 +14,8 @@ from hivemind.p2p import P2P
 
 import swarm.net.transport as transport
 from swarm.net.servicer import StageServicer
-from swarm.net.transport import StageClient
-from swarm.wire.validate import BadRequest
+from swarm.net.transport import CallFailed, StageClient
+from swarm.wire.validate import BadRequest, InputsNotHeld
 
 
 class Recording:
@@ -58,6 +58,36 @@ def test_a_request_cut_short_on_its_way_is_sent_again_to_the_same_server(monkeyp
                                                       [torch.ones(3), torch.zeros(5)], 30)
             assert reply == {"sizes": [3, 5]}
             assert sent == [1, 2] and handler.forwards == [[3, 5]]  # read whole once, the cut one never
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_server_without_the_inputs_a_backward_left_out_says_so_and_applies_nothing():
+    """`InputsNotHeld` reaches the caller as such (`with_inputs`), not as a refusal of the request, which
+    would count against the stage, nor as a plain failure, which would ban the server."""
+
+    class Forgetful(Recording):
+        async def backward(self, meta: dict[str, Any], tensors: list[torch.Tensor], caller: str):
+            if len(tensors) == 1:
+                raise InputsNotHeld("the inputs of its forward are no longer held here")
+            return {"sizes": [t.numel() for t in tensors]}, []
+
+    async def scenario() -> None:
+        server = await P2P.create()
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        try:
+            await StageServicer(Forgetful()).add_p2p_handlers(server)
+            caller = StageClient(client)
+            with pytest.raises(CallFailed) as failed:
+                await caller.call(server.peer_id.to_base58(), "backward", {"req": "r"}, [torch.ones(3)], 30)
+            assert failed.value.with_inputs and failed.value.answered and not failed.value.refused
+            reply, _ = await caller.call(server.peer_id.to_base58(), "backward", {"req": "r"},
+                                         [torch.zeros(4), torch.ones(3)], 30)
+            assert reply == {"sizes": [4, 3]}
         finally:
             await client.shutdown()
             await server.shutdown()

@@ -24,7 +24,7 @@ from swarm.server.stage import MAX_TOLD, ServedStage, WorkMeter
 from swarm.server.stepping import heard
 from swarm.wire.calls import CountNote, StageCall, StageQuery
 from swarm.wire.records import ServerRecord
-from swarm.wire.validate import IGNORE_INDEX, BadRequest, Unavailable
+from swarm.wire.validate import IGNORE_INDEX, BadRequest, InputsNotHeld, Unavailable
 
 CFG = load_config(overrides=["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_layers=2",
                              "model.seq_len=16", "model.num_stages=2"])
@@ -408,5 +408,39 @@ def test_the_gate_counts_a_jobs_cpu_time_over_the_quota_as_its_time_alone():
         await gate.run(lambda: sum(i * i for i in range(200_000)), work="forward", samples=4)
         ((served, alone),) = counted
         assert alone == pytest.approx(2 * gate._cost) and served >= gate._cost
+        gate.close()
+    run(scenario())
+
+
+def test_a_backward_to_the_server_that_ran_its_forward_goes_without_its_inputs():
+    """That server keeps the forward's inputs with its graph: the output gradient alone accumulates exactly
+    what the call with both would, and a repeat is answered from the cache. Where the inputs are not held it
+    asks for them (`InputsNotHeld`, which the caller answers by sending them) and accumulates nothing; a
+    gradient for another number of samples than the forward ran on is refused."""
+    async def scenario():
+        gate = ComputeGate(1.0, False)
+        (lean, lean_st), (full, full_st) = served(0, gate), served(0, gate)
+        full_st.runtime.module.load_state_dict(lean_st.runtime.module.state_dict())
+        batchers = [asyncio.create_task(h.batcher.loop()) for h in (lean, full)]
+        ids = torch.randint(0, 256, (2, 16))
+        _, (y,) = await lean.forward(call(stage=0, req="a"), [ids], ID["caller"])
+        await full.forward(call(stage=0, req="a"), [ids], ID["caller"])
+        dy = torch.randn_like(y.value)
+        await lean.backward(call(stage=0, req="a"), [dy], ID["caller"])
+        await full.backward(call(stage=0, req="a"), [ids, dy], ID["caller"])
+        assert lean_st.runtime.pending_samples == full_st.runtime.pending_samples == 2
+        assert lean_st.runtime.fast_backwards == 1 and lean_st.runtime.recomputed_backwards == 0
+        for mine, theirs in zip(lean_st.runtime.params, full_st.runtime.params, strict=True):
+            assert torch.equal(mine.grad, theirs.grad)
+        await lean.backward(call(stage=0, req="a"), [dy], ID["caller"])  # its graph is gone: from the cache
+        assert lean_st.runtime.pending_samples == 2
+        with pytest.raises(InputsNotHeld):
+            await lean.backward(call(stage=0, req="never forwarded"), [dy], ID["caller"])
+        await lean.forward(call(stage=0, req="b"), [ids], ID["caller"])
+        with pytest.raises(BadRequest, match="batch"):
+            await lean.backward(call(stage=0, req="b"), [dy[:1]], ID["caller"])
+        assert lean_st.runtime.pending_samples == 2 and lean_st.runtime.duplicates == 0
+        for task in batchers:
+            task.cancel()
         gate.close()
     run(scenario())

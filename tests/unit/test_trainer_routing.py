@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -305,3 +306,36 @@ def test_servers_awaiting_a_first_answer_are_passed_over():
                   Candidate("answered", 1.0, inflight=3, latency=1.0)]
     assert awaiting_first_answer(candidates) == {"new"}
     assert awaiting_first_answer(candidates, limit=2) == set()
+
+
+def test_a_backward_leaves_its_inputs_out_only_for_the_server_that_ran_its_forward():
+    """That server keeps them. Where it says it no longer does, the call goes again at once to it, with them:
+    no ban, no retry counted. A backward another server takes carries them, since that one recomputes."""
+
+    class Recording(_FakeClient):
+        def __init__(self) -> None:
+            super().__init__({"a": 0.0, "b": 0.0})
+            self.sent: list[tuple[str, int]] = []  # (server, tensors carried)
+            self.dropped: set[str] = set()  # servers that no longer hold the inputs
+
+        async def call(self, peer, method, meta, tensors, timeout, unpack=True):
+            self.sent.append((peer, len(tensors)))
+            if method == "backward" and len(tensors) == 1 and peer in self.dropped:
+                raise CallFailed("the inputs of its forward are no longer held here", answered=True, with_inputs=True)
+            return await super().call(peer, method, meta, tensors, timeout, unpack)
+
+    client = Recording()
+    trainer = _trainer("wrr", (("a", 1.0), ("b", 1.0)), client)
+    x, dy = torch.zeros(2, 3), torch.ones(2, 3)
+
+    async def calls() -> None:
+        assert (await trainer.call(0, "backward", "r1", [x, dy], prefer="a", accumulating=True)).peer == "a"
+        client.dropped.add("a")
+        assert (await trainer.call(0, "backward", "r2", [x, dy], prefer="a", accumulating=True)).peer == "a"
+        await trainer.call(0, "backward", "r3", [x, dy], prefer="gone", accumulating=True)
+        await trainer.call(0, "forward", "r4", [x], prefer="a")
+
+    asyncio.run(calls())
+    assert client.sent[:3] == [("a", 1), ("a", 1), ("a", 2)]
+    assert client.sent[3][1] == 2 and client.sent[4] == ("a", 1)
+    assert trainer.inputs_resent == 1 and trainer.retries == 0 and not trainer.bans.is_banned("a", time.monotonic())

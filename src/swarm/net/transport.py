@@ -29,13 +29,16 @@ REPLY_LIMIT_BYTES = 1 << 34  # replies come from servers we chose; the request s
 
 class CallFailed(Exception):
     """The call did not produce a reply. `refused`: the server rejected the request itself (retrying will
-    not help); `answered`: the server replied with an error (so it did not apply the request)."""
+    not help); `answered`: the server replied with an error (so it did not apply the request);
+    `with_inputs`: a backward sent without its inputs found them gone there (`InputsNotHeld`)."""
 
-    def __init__(self, message: str, refused: bool = False, timed_out: bool = False, answered: bool = False):
+    def __init__(self, message: str, refused: bool = False, timed_out: bool = False, answered: bool = False,
+                 with_inputs: bool = False):
         super().__init__(message)
         self.refused = refused
         self.timed_out = timed_out
-        self.answered = answered or refused
+        self.answered = answered or refused or with_inputs
+        self.with_inputs = with_inputs
 
 
 class StageClient:
@@ -126,7 +129,8 @@ class StageClient:
                     continue
                 raise CallFailed(f"{method} failed: {type(e).__name__}: {_one_line(e)}") from e
         if "error" in reply:
-            raise CallFailed(str(reply["error"]), refused=bool(reply.get("refused")), answered=True)
+            raise CallFailed(str(reply["error"]), refused=bool(reply.get("refused")), answered=True,
+                             with_inputs=bool(reply.get("with_inputs")))
         return reply, received
 
 

@@ -33,6 +33,7 @@ from swarm.wire.calls import CountNote, LedgerQuery, StageCall, StageQuery
 from swarm.wire.validate import (
     IGNORE_INDEX,
     BadRequest,
+    InputsNotHeld,
     TensorSpec,
     Unavailable,
     check_norm,
@@ -148,17 +149,32 @@ class StageHandlers:
         check_same_batch(("inputs", x), ("targets", targets))
         return x, targets
 
-    def _check_backward(self, st: ServedStage, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _check_backward(self, st: ServedStage, tensors: list[torch.Tensor]
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(inputs, grad_outputs); inputs None where the caller left them out, as it does for the server
+        that ran the forward (it keeps them: `_held_inputs`)."""
         if st.out_spec is None:
             raise BadRequest("the last stage runs its backward within forward")
-        if len(tensors) != 2:
-            raise BadRequest(f"backward takes (inputs, grad_outputs), got {len(tensors)} tensors")
-        x, dy = tensors
-        self._check_inputs(st, x)
+        if len(tensors) not in (1, 2):
+            raise BadRequest(f"backward takes (inputs, grad_outputs), or grad_outputs alone where the forward ran, "
+                             f"got {len(tensors)} tensors")
+        *given, dy = tensors
         check_tensor("grad_outputs", dy, st.out_spec, self.server.max_request_samples)
         check_norm("grad_outputs", dy, self.server.max_grad_norm)
-        check_same_batch(("inputs", x), ("grad_outputs", dy))
-        return x, dy
+        if not given:
+            return None, dy
+        self._check_inputs(st, given[0])
+        check_same_batch(("inputs", given[0]), ("grad_outputs", dy))
+        return given[0], dy
+
+    @staticmethod
+    def _held_inputs(st: ServedStage, key: str, dy: torch.Tensor) -> torch.Tensor:
+        """The inputs of a backward sent without them: those its forward ran on here, checked then."""
+        x = st.runtime.kept_inputs(key)
+        if x is None:
+            raise InputsNotHeld("the inputs of its forward are no longer held here: send them along")
+        check_same_batch(("the forward's inputs", x), ("grad_outputs", dy))
+        return x
 
     # ---- the protocol ------------------------------------------------------------------------
 
@@ -192,6 +208,8 @@ class StageHandlers:
         x, dy = await asyncio.to_thread(self._check_backward, st, tensors)
         if (cached := self._repeat(st, key)) is not None:
             return cached
+        if x is None:
+            x = self._held_inputs(st, key, dy)
         self._take_receipt(st, call, key, x.shape[0])
         accumulate = call.accumulate and st.runtime.accumulates(key)
         graph = st.runtime.live_graph(key)

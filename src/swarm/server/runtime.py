@@ -1,29 +1,25 @@
 """A stage's compute: forward, backward, gradient accumulation and the optimizer step.
 
-Everything here is synchronous torch code that runs on the server's single compute thread, so no
-locking is needed inside. Networking, batching of requests and scheduling live in `swarm.server`'s
-other modules.
+Synchronous torch code on the server's single compute thread, so no locking is needed inside; networking,
+batching of requests and scheduling live in `swarm.server`'s other modules. Delivery ledger: `swarm.core.ledger`.
 
-Gradients are accumulated as *sums over samples* (the last stage back-propagates `loss * batch`), so
-an all-reduced sum divided by the stage's total sample count is the exact mean gradient of the step,
-however unevenly trainers spread their microbatches over the replicas.
+Gradients are accumulated as *sums over samples* (the last stage back-propagates `loss * batch`), so an
+all-reduced sum divided by the stage's total sample count is the exact mean gradient of the step, however
+unevenly trainers spread their microbatches over the replicas.
 
-Forward graphs are kept so that the backward usually costs one backward pass (the fast path). A step
-that comes between a forward and its backward does not spoil the graph: the weights it ran at are kept
-for it (`swarm.server.stash`), so its backward is the exact gradient at those weights, accumulated into
-the step that follows. Only a graph that was evicted, a weight change other than a step (a downloaded
-state), or a backward that arrives at another replica makes the backward recompute the forward from
-the inputs the trainer sends along. A graph built for a batch of several requests is back-propagated
-once for all of them (`backward_batch`): running it once per request would cost a full batch backward
-each time.
+Forward graphs are kept so that the backward usually costs one backward pass (the fast path), and with
+them the stage's inputs, which a backward to this replica then need not carry. A step that comes between a
+forward and its backward does not spoil the graph: the weights it ran at are kept for it
+(`swarm.server.stash`), so its backward is the exact gradient at those weights, accumulated into the step
+that follows. Only a graph that was evicted, a weight change other than a step (a downloaded state), or a
+backward that arrives at another replica makes the backward recompute the forward from its inputs. A
+graph built for a batch of several requests is back-propagated once for all of them (`backward_batch`):
+running it once per request would cost a full batch backward each time.
 
-Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its
-microbatch's mean gradient at once (a local update). Each forward then runs on a copy of the weights it
-saw (weight stashing, as in PipeDream): its backward, however many local updates later it comes, is the
-exact gradient at those older weights, applied to the current ones (the number of updates in between is
-recorded per gradient). The replicas' averaging rounds are `swarm.server.anchor`'s.
-
-Delivery ledger: `swarm.core.ledger` (which microbatches the gradient holds, which steps took which).
+Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its microbatch's
+mean gradient at once (a local update). Each forward runs on a copy of the weights it saw (weight stashing, as in
+PipeDream): its backward, however many local updates later it comes, is the exact gradient at those older weights,
+applied to the current ones (the updates in between recorded per gradient). Averaging: `swarm.server.anchor`.
 """
 
 from __future__ import annotations
@@ -176,6 +172,11 @@ class StageRuntime:
         """The kept graph of a request's forward, if it is still valid for the current weights."""
         graph = self.graphs.get(req_id)
         return graph if graph is not None and self._usable(graph) else None
+
+    def kept_inputs(self, req_id: str) -> torch.Tensor | None:
+        """A request's forward inputs while its graph is kept, valid or not (a recomputation needs only them)."""
+        graph = self.graphs.get(req_id)
+        return None if graph is None else graph.inputs[graph.rows[req_id]].detach()
 
     def _usable(self, graph: BatchGraph) -> bool:
         """A stashed graph holds its own weights; any other needs the live ones unchanged since its

@@ -57,6 +57,7 @@ class _Attempts:
     prefer: str | None = None  # the server to try first (the backward goes where the forward ran)
     holder: tuple[str, int] | None = None  # (server, epoch) of an unanswered accumulating call
     refusals: int = 0  # servers that refused it
+    with_inputs: bool = False  # the server that ran the forward no longer held its inputs
 
 
 class StageCaller:
@@ -83,6 +84,7 @@ class StageCaller:
         self._abandoned: set[asyncio.Task] = set()
         self._ended: dict[int, asyncio.Event] = {}  # stage -> set when one of our calls there ends
         self.retries = 0
+        self.inputs_resent = 0  # backwards sent again with their inputs, which the forward's server had dropped
         self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
 
     def pick(self, stage: int, prefer: str | None) -> str | None:
@@ -113,16 +115,23 @@ class StageCaller:
 
     async def call(self, stage: int, method: str, req: str, tensors: list[Carried], prefer: str | None = None,
                    accumulating: bool = False) -> Served:
-        """Call `method` of some server of `stage`, retrying as the module says."""
+        """Call `method` of some server of `stage`, retrying as the module says. A backward to `prefer`, the
+        server that ran its forward, goes without the stage's inputs (`tensors[0]`): that server keeps them
+        with the graph, and otherwise asks for them (`InputsNotHeld`)."""
         tried = _Attempts(prefer=prefer)
         while tried.count < self.tc.max_attempts or accumulating:
             peer = await self._server_for(stage, tried)
             call = self._stage_call(stage, method, req, accumulating and tried.holder is None, peer,
                                     rows(tensors[0]))
+            lean = method == "backward" and peer == prefer and not tried.with_inputs
             started = time.monotonic()
             try:
-                reply = await self._timed(method, peer, call, tensors)
+                reply = await self._timed(method, peer, call, tensors[1:] if lean else tensors)
             except CallFailed as e:
+                if lean and e.with_inputs:  # neither the server's fault nor the request's
+                    tried.with_inputs = True
+                    self.inputs_resent += 1
+                    continue
                 await self._after_failure(stage, method, peer, call, e, tried, time.monotonic() - started)
                 continue
             self.bans.forgive(peer)
@@ -281,6 +290,9 @@ class StageCaller:
 
 def _tagged(stage: int, method: str, tensors: list[Carried]) -> list[Tagged]:
     """What a stage call carries: the stage's input (token ids at the first stage, activations after),
-    then the targets (forward or evaluate to the last stage) or the gradient of the stage's output (backward)."""
+    then the targets (forward or evaluate to the last stage) or the gradient of the stage's output (backward,
+    alone where the server keeps the inputs)."""
     roles = ("tokens" if stage == 0 else "activations", "gradients" if method == "backward" else "tokens")
+    if method == "backward" and len(tensors) == 1:
+        roles = roles[1:]
     return [Tagged(role, t) for role, t in zip(roles, tensors, strict=False)]

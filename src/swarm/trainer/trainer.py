@@ -334,6 +334,7 @@ class Trainer:
             "given_up": self.given_up,
             "stopped_starting": self.stopped_starting,
             "retries": self.caller.retries,
+            "inputs_resent": self.caller.inputs_resent,
             "replays": self.keeper.replays,
             "unresolved": self.unresolved,
             "started": self.progress.started,

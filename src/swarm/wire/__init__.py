@@ -3,4 +3,4 @@
 # The version of the messages and records peers exchange: bumped on every incompatible change, and part
 # of the configuration hash, so that peers of different versions refuse each other with a clear message
 # instead of misreading each other.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6

@@ -34,6 +34,11 @@ class Truncated(Unavailable):
     request is likely whole, so the caller repeats it rather than counting the server's refusal."""
 
 
+class InputsNotHeld(Unavailable):
+    """A backward came without the stage's inputs, which the server that ran its forward keeps with the
+    graph, and they are gone (the graph was dropped). The caller sends the same backward again, with them."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     dtype: torch.dtype
