@@ -84,6 +84,7 @@ class ServerConfig:
                 "server.compute_cores", f"must be distinct CPU ids >= 0, got {list(self.compute_cores)}")
         require(self.max_request_samples > 0, "server.max_request_samples", "must be positive")
         require(self.merge_samples >= 0, "server.merge_samples", "must be >= 0")
+        require(self.graph_ttl > 0, "server.graph_ttl", f"must be positive, got {self.graph_ttl}")
         require(self.batch_backward_wait >= 0, "server.batch_backward_wait", "must be >= 0")
         require(self.leave_timeout >= 0, "server.leave_timeout", "must be >= 0")
         require(self.download_timeout > 0, "server.download_timeout", "must be positive")
