@@ -176,7 +176,7 @@ class StageRuntime:
     def kept_inputs(self, req_id: str) -> torch.Tensor | None:
         """A request's forward inputs while its graph is kept, valid or not (a recomputation needs only them)."""
         graph = self.graphs.get(req_id)
-        return None if graph is None else graph.inputs[graph.rows[req_id]].detach()
+        return None if graph is None else graph.inputs.detach()[graph.rows[req_id]]
 
     def _usable(self, graph: BatchGraph) -> bool:
         """A stashed graph holds its own weights; any other needs the live ones unchanged since its
