@@ -33,7 +33,7 @@ from swarm.net.protocol import Item, Traffic, decode, encode, packed
 from swarm.net.quiet import Quiet
 from swarm.net.secret import AUTH_KEY, SwarmSecret
 from swarm.wire.codecs import EXACT, Policy
-from swarm.wire.validate import BadRequest, InputsNotHeld, Truncated, Unavailable
+from swarm.wire.validate import BadRequest, Unavailable
 
 log = logging.getLogger(__name__)
 MAX_STRANGERS_LOGGED = 1024  # callers without the secret named in the log (each once); beyond, silence
@@ -155,9 +155,8 @@ class StageServicer(ServicerBase):
         except BadRequest as e:
             self.handler.refused(name, caller, e)
             reply = {"error": str(e), "refused": True}, []
-        except Unavailable as e:  # the caller sends it again, here: cut short (`resend`), or with inputs
-            flags = {"resend": isinstance(e, Truncated), "with_inputs": isinstance(e, InputsNotHeld)}
-            reply = {"error": str(e), "refused": False, **{flag: True for flag, on in flags.items() if on}}, []
+        except Unavailable as e:  # a `reply_flag` has the caller send it again, here (cut short, or without inputs)
+            reply = {"error": str(e), "refused": False, **({e.reply_flag: True} if e.reply_flag else {})}, []
         except Exception as e:
             if self.quiet.admit(FAILURES):  # a bug a peer can trigger at will: its traceback, a few a minute
                 log.exception("handler %s failed", name)

@@ -25,7 +25,10 @@ class BadRequest(ValueError):
 
 
 class Unavailable(RuntimeError):
-    """The server cannot take this request now (it is leaving); the caller should go elsewhere."""
+    """The server cannot take this request now (it is leaving); the caller should go elsewhere. A subclass
+    whose `reply_flag` is set asks for the request again, here, and that flag in the error reply says how."""
+
+    reply_flag: str | None = None
 
 
 class Truncated(Unavailable):
@@ -33,10 +36,14 @@ class Truncated(Unavailable):
     malformed request (garbage never reads as whole messages missing at the end). Sent again, the same
     request is likely whole, so the caller repeats it rather than counting the server's refusal."""
 
+    reply_flag = "resend"
+
 
 class InputsNotHeld(Unavailable):
     """A backward came without the stage's inputs, which the server that ran its forward keeps with the
     graph, and they are gone (the graph was dropped). The caller sends the same backward again, with them."""
+
+    reply_flag = "with_inputs"
 
 
 @dataclass(frozen=True)
