@@ -11,7 +11,7 @@ from hivemind.utils import ValueWithExpiration
 from swarm.net import directory as directory_module
 from swarm.net.directory import Directory
 from swarm.net.identity import peer_id_of
-from swarm.wire.records import ServerRecord, stage_key
+from swarm.wire.records import ServerRecord, TrainerRecord, stage_key, trainers_key
 
 
 class _DHT:
@@ -158,5 +158,38 @@ def test_a_view_searches_only_the_stages_not_read_lately() -> None:
         found, _ = await directory.read_stages([0, 1], fresh=5.0)
         assert {k: [r.peer_id for r in rs] for k, rs in found.items()} == {0: [peers[0]], 1: [peers[1]]}
         assert (dht.gets, dht.searches) == (2, 0)  # stage 1 alone, by a single read
+
+    asyncio.run(main())
+
+
+def test_a_recent_read_of_the_trainers_serves_a_reader_that_allows_it(monkeypatch) -> None:
+    """A server's mover takes the trainers as its step loop last read them, up to `fresh` old, even while
+    that read is under way; a reader that allows nothing older, or a read older than `fresh`, reads anew."""
+    now = [50.0]
+    monkeypatch.setattr(directory_module.time, "monotonic", lambda: now[0])
+    trainer = peer_id_of(Ed25519PrivateKey.generate().public_key())
+    record = TrainerRecord(trainer, 64, 0, 3.5, False, 10.0)
+    dht = _SearchingDHT({trainers_key("run"): {trainer: ValueWithExpiration(record.to_value(),
+                                                                            directory_module.get_dht_time() + 6)}})
+    directory = Directory(dht, "run", record_ttl=6.0)
+
+    async def main() -> None:
+        dht.gate = asyncio.Event()
+        first = asyncio.ensure_future(directory.trainers())
+        await asyncio.sleep(0)
+        shared = asyncio.ensure_future(directory.trainers(fresh=5.0))
+        await asyncio.sleep(0)
+        dht.gate.set()
+        assert [t.peer_id for t in await first] == [t.peer_id for t in await shared] == [trainer]
+        assert dht.gets == 1
+        now[0] += 4.0
+        await directory.trainers(fresh=5.0)
+        assert dht.gets == 1
+        await directory.trainers()
+        assert dht.gets == 2
+        now[0] += 5.5
+        await directory.trainers(fresh=5.0)
+        assert dht.gets == 3
+        assert directory.ops["trainers"] == 3
 
     asyncio.run(main())

@@ -20,6 +20,7 @@ from swarm.averaging.failures import RoundFailed
 from swarm.core.ledger import carry
 from swarm.core.stepping import TRAINERS_QUIET
 from swarm.model import load_stages
+from swarm.net.directory import RENEW_PERIODS
 from swarm.server.gate import ComputeGate
 from swarm.server.gradvec import gradient_vector
 from swarm.server.stage import ServedStage
@@ -372,3 +373,26 @@ def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: boo
     twice = near and not told
     assert asyncio.run(scenario()) == ([1, 2] if twice else [0, 1])
     assert directory.fresh == ([LOOK_EVERY / 2] * 2 if twice else [CFG.net.announce_period])
+
+
+@pytest.mark.parametrize("handed", [False, True])
+def test_a_replica_alone_reads_its_stage_as_often_as_records_are_renewed(handed: bool) -> None:
+    """With no other replica in view nothing is decided from the stage's records: they are read every
+    RENEW_PERIODS periods, which still shows a newcomer inside the grace before a replica steps alone. A
+    newcomer that downloaded our state is waited for: the stage is read at every look until it shows up."""
+    period = CFG.net.announce_period
+    directory = _Directory([], [])
+
+    async def scenario() -> list[int]:
+        st, stepper = stepper_reading(directory)
+        if handed:
+            st.note_handed("QmNewcomer", st.runtime.epoch)
+        reads = []
+        for ago in (LOOK_EVERY + 0.01, period + 0.01, RENEW_PERIODS * period + 0.01):
+            stepper._records_read = (time.monotonic() - ago, [])
+            await stepper._records()
+            reads.append(directory.reads["stage"])
+        assert RENEW_PERIODS * period < stepper.grace
+        return reads
+
+    assert asyncio.run(scenario()) == ([1, 2, 3] if handed else [0, 0, 1])

@@ -54,7 +54,8 @@ class Directory:
         # this peer's DHT operations by what they were for: each is served by several DHT nodes, CPU taken
         # from every host's compute, so the peer's summary shows its share of the DHT's load
         self.ops: Counter[str] = Counter()
-        # stage key -> the latest read of it (its monotonic and DHT times begun, its future): see `read_stages`
+        # stage key (or the trainers') -> the latest read of it (its monotonic and DHT times begun, its future):
+        # see `read_stages`
         self._shared: dict[str, tuple[float, float, asyncio.Future]] = {}
 
     async def announce_server(self, record: ServerRecord) -> None:
@@ -166,10 +167,18 @@ class Directory:
             return_future=True,
         )
 
-    async def trainers(self) -> list[TrainerRecord]:
-        self.ops["trainers"] += 1
-        found = await self.dht.get(trainers_key(self.run_id), latest=True, return_future=True)
-        return _parse(found, _by_peer(TrainerRecord.from_value))
+    async def trainers(self, fresh: float = 0.0) -> list[TrainerRecord]:
+        """The trainers' records; a read by this peer begun within `fresh` seconds, done or under way, serves
+        instead of a new one (a server's mover takes its step loop's, which it reads as seldom)."""
+        key, now = trainers_key(self.run_id), time.monotonic()
+        if (reusable := self._reusable(key, fresh, now)) is None:
+            self.ops["trainers"] += 1
+            read = asyncio.ensure_future(self.dht.get(key, latest=True, return_future=True))
+            read.add_done_callback(_retrieved)
+            self._shared[key] = (now, self.now(), read)
+        else:
+            read = reusable[1]
+        return _parse(await asyncio.shield(read), _by_peer(TrainerRecord.from_value))
 
 
     async def announce_backup(self, record: BackupRecord, ttl: float) -> None:

@@ -30,6 +30,7 @@ import hivemind
 from hivemind.p2p import P2P
 
 from swarm.config import NetConfig
+from swarm.net.nearest import NearestStores
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -64,9 +65,11 @@ def _stop_with_parent() -> None:
 
 
 class TiedDHT(hivemind.DHT):
-    """hivemind's DHT process, in a process group of its own and killed when the peer dies."""
+    """hivemind's DHT process, in a process group of its own and killed when the peer dies. Its stores go
+    straight to the nodes last found nearest their key (`swarm.net.nearest`)."""
 
     identity: Ed25519PrivateKey | None = None  # the peer's key, kept by swarm.net.node.start_dht: it signs receipts
+    _nearest: NearestStores | None = None  # (in the DHT's process, once its node runs)
 
     def run(self) -> None:
         parent = os.getppid()
@@ -82,6 +85,20 @@ class TiedDHT(hivemind.DHT):
         # the p2pd daemon is started from this process alone, with hivemind's own call: tie it as well
         asyncio.subprocess.create_subprocess_exec = spawn_tied
         super().run()
+
+    async def _store(self, key, value, expiration_time: float, subkey, future, **kwargs) -> None:
+        """`store`, run in the DHT's process: by `NearestStores`, unless hivemind's own options are asked for."""
+        if kwargs:
+            return await super()._store(key, value, expiration_time, subkey, future, **kwargs)
+        if self._nearest is None:
+            self._nearest = NearestStores(self._node)
+        try:
+            stored = await self._nearest.store(key, value, expiration_time, subkey)
+            if not future.done():
+                future.set_result(stored)
+        except BaseException as e:  # as hivemind's own: the caller's future carries every failure
+            if not future.done():
+                future.set_exception(e)
 
 
 async def watch(dht: hivemind.DHT, p2p: P2P, every: float, timeout: float, misses: int) -> None:

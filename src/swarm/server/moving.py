@@ -54,9 +54,9 @@ class Mover:
 
     async def _planned(self) -> tuple[Move, dict[int, float]] | None:
         """The move the policy makes now if it is this server's, with the stages' capacities: none once
-        the trainers are done (the run is ending) or while this server's own record is not in view (the
-        view is then incomplete)."""
-        trainers = await self.directory.trainers()
+        the trainers are done (the run is ending; a read of the trainers up to a period old, the step
+        loop's, tells) or while this server's own record is not in view (the view is then incomplete)."""
+        trainers = await self.directory.trainers(fresh=self.rc.period)
         if not trainers or all(t.done for t in trainers):
             return None
         found = await seats(self.directory, self.num_stages, self.hash)

@@ -190,13 +190,16 @@ class Stepper:
         of its 0.45-core share). Near the step, replicas that told us their counts within the period (`count`
         calls) need no such reads. A read of the stage by this peer begun up to that interval before (a
         trainer's view, in a server that trains) serves instead of a new one; near the step, up to half of it.
-        A newcomer is seen within a period."""
+        A replica alone in view reads every RENEW_PERIODS periods, as often as records are renewed: nothing
+        is decided from others' records then; a newcomer that loads our state is known from its download
+        (and read at every look until it is at our epoch), any other is seen within those periods, inside
+        the grace a replica gives others to show up before it steps alone."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
         near = ((others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
                  and not self._heard_from_all(now)) or bool(self.stage.handed_now()))
-        every = LOOK_EVERY if near else self.net.announce_period
+        every = LOOK_EVERY if near else self.net.announce_period * (1 if others else RENEW_PERIODS)
         if now - self._records_read[0] >= every:
             found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2 if near else every)
             records = found[self.stage.index]
