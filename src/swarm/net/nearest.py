@@ -62,9 +62,11 @@ class NearestStores:
     async def _nodes(self, key_id: DHTID) -> dict[DHTID, PeerID]:
         """The `num_replicas` nodes nearest `key_id`, this one among them where it is: as found within the
         last `ttl` seconds, else searched for."""
-        found = self._nearest.get(key_id)
-        if found is None or self.clock() - found[0] > self.ttl:
+        found, now = self._nearest.get(key_id), self.clock()
+        if found is None or now - found[0] > self.ttl:
             self.searches += 1
             nearest = (await self.node.find_nearest_nodes([key_id], k_nearest=self.node.num_replicas))[key_id]
+            # (keys no longer stored to, a data block's finished group say, are forgotten)
+            self._nearest = {k: v for k, v in self._nearest.items() if now - v[0] <= self.ttl}
             self._nearest[key_id] = found = (self.clock(), nearest)
         return found[1]
