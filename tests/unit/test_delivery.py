@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from swarm.config import TrainerConfig
 from swarm.core import LedgerAnswer, LedgerReply, Verdict, judge, merge_answers
+from swarm.core.delivery import QUIET_PERIODS
+from swarm.trainer import delivery as delivery_module
+from swarm.trainer.calls import Served
+from swarm.trainer.delivery import GradientKeeper
+from swarm.trainer.view import SwarmView
+from swarm.wire.records import ServerRecord
 
 
 def answer(epoch: int = 5, committed_at: int | None = None, pending: bool = False, durable: int = 5) -> LedgerAnswer:
@@ -118,3 +127,86 @@ def test_a_commit_on_a_superseded_branch_is_not_taken_for_old_enough_by_the_othe
 ])
 def test_a_malformed_ledger_reply_is_dropped(bad: object) -> None:
     assert LedgerReply.parse(bad) is None
+
+
+class _Client:
+    """Answers `ledger` calls as a replica at `epoch` holding every microbatch asked about; counts them."""
+
+    def __init__(self) -> None:
+        self.epoch, self.asked = 3, []
+
+    async def call(self, peer, method, meta, tensors, timeout):
+        assert method == "ledger"
+        self.asked.append(peer)
+        return {"epoch": self.epoch, "committed": {}, "pending": list(meta["ids"]), "durable": 0}, []
+
+
+class _Caller:
+    """Replays that are still under way."""
+
+    async def call(self, *args, **kwargs):
+        await asyncio.Event().wait()
+
+
+class _Stages:
+    """The DHT's stage records as a trainer's view reads them."""
+
+    def __init__(self) -> None:
+        self.records: list[ServerRecord] = []
+        self.expires: dict[str, float] = {}
+
+    async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
+        return {0: list(self.records)}
+
+    def now(self) -> float:
+        return 0.0
+
+
+def test_a_stage_is_asked_about_open_gradients_only_when_its_answers_may_have_changed(monkeypatch) -> None:
+    """While the stage's replicas stay where they were, a second question would only hear "wait" again:
+    the stage is asked once, then again when a replica steps, when one in doubt is open and unasked, after
+    QUIET_PERIODS periods, when a replica comes or goes, once a holder is no longer seen, and at every pass
+    at the run's end."""
+    now, period, ending = [100.0], 1.0, [False]
+    monkeypatch.setattr(delivery_module.time, "monotonic", lambda: now[0])
+    client, stages = _Client(), _Stages()
+    view = SwarmView(1, "hash", {}, period)
+    keeper = GradientKeeper(TrainerConfig(request_timeout=0.5), client, _Caller(), view, period,
+                            lambda: ending[0], asyncio.Event())
+
+    def serve(**epochs: int) -> None:
+        stages.records = [ServerRecord(p, 0, 1.0, 0, e, 0, "hash", {}) for p, e in epochs.items()]
+
+    async def asks() -> list[str]:
+        await view.refresh(stages)
+        before = len(client.asked)
+        await keeper._judge_all()
+        return sorted(client.asked[before:])
+
+    async def main() -> tuple[list[list[str]], int]:
+        serve(A=3)
+        keeper.keep("r1", 0, "backward", [], Served("A", {}, [], "A", 3))
+        seen = [await asks(), await asks()]  # asked once: the answer stays "pending at A"
+        now[0] += 1.0
+        serve(A=4)  # A stepped
+        client.epoch = 4
+        seen.append(await asks())
+        keeper.keep("r2", 0, "backward", [], Served("B", {}, [], "A", 4))  # its call to B went unanswered
+        now[0] += 0.6  # past request_timeout: r2 may be judged
+        seen += [await asks(), await asks()]
+        now[0] += QUIET_PERIODS * period
+        seen += [await asks(), await asks()]
+        ending[0] = True
+        seen += [await asks(), await asks()]
+        ending[0] = False
+        now[0] += 4 * period
+        serve(B=4)  # A left, B came: both asked (A, the holder, is still seen in the last views)
+        seen += [await asks(), await asks()]
+        seen.append(await asks())  # A is no longer seen: its gradients are lost (sent again), and B is asked
+        replaying = len(keeper._replaying)
+        for task in keeper._replaying:
+            task.cancel()
+        return seen, replaying
+
+    assert asyncio.run(main()) == ([["A"], [], ["A"], ["A"], [], ["A"], [], ["A"], ["A"], ["A", "B"], [], ["B"]], 2)
+    assert keeper.questions == len(client.asked)

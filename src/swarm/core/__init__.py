@@ -8,7 +8,7 @@ every decision with fake clocks and seeded generators. `tests/unit/test_layering
 """
 
 from swarm.core.bans import BanList
-from swarm.core.delivery import LedgerAnswer, LedgerReply, Verdict, judge, merge_answers
+from swarm.core.delivery import Asked, LedgerAnswer, LedgerReply, Verdict, judge, merge_answers, worth_asking
 from swarm.core.health import Diagnosis, ServerFigures, diagnose
 from swarm.core.partition import split_layers
 from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
@@ -25,6 +25,7 @@ from swarm.core.stepping import expected_group, stage_ready
 from swarm.core.throughput import LatencyTracker, RateMeter, StageRate
 
 __all__ = [
+    "Asked",
     "BanList",
     "Candidate",
     "Diagnosis",
@@ -54,4 +55,5 @@ __all__ = [
     "stage_ready",
     "unmeasured_throughput",
     "warmup_lr",
+    "worth_asking",
 ]

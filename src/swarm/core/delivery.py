@@ -15,12 +15,20 @@ judges each from the answer:
 
 Sending again is safe even when the judgement was early: a replica never accumulates a microbatch its
 ledger already holds or has committed, and a stale replica refuses to serve.
+
+The answers change only when the stage steps, when a replica comes or goes, or for a call in doubt, so a
+stage's replicas are asked again only then (`worth_asking`), and after QUIET_PERIODS in any case.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import Enum
+
+# announcement periods after which a stage's replicas are asked about our open microbatches though nothing
+# in view changed: a replica restarted under its old peer id at the same epoch has lost what it held
+QUIET_PERIODS = 5
 
 
 class Verdict(Enum):
@@ -125,3 +133,26 @@ def merge_answers(answers: dict[str, LedgerReply], req: str, holder: str, keep_e
         disputed=disputed,
         claimed_epoch=claimed_epoch,
     )
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A stage's replicas asked about our open microbatches: what the view showed of the stage then (its live
+    replicas at their epochs, the holders seen lately), when (monotonic), and which microbatches."""
+
+    shown: Hashable
+    at: float
+    reqs: frozenset[str]
+
+
+def worth_asking(last: Asked | None, shown: Hashable, now: float, period: float, unasked_in_doubt: bool,
+                 ending: bool) -> bool:
+    """Whether to ask a stage's replicas about our open microbatches now. Each question is a call to up to
+    two replicas and every holder, taken from their compute, and its answers can only say "wait" again
+    until the view of the stage changes: a replica stepped (a commit, or a gradient it dropped, shows), one
+    came or went, a holder is no longer seen (its gradients are lost). So ask when the view changed since
+    the last question, when a microbatch whose call went unanswered (in doubt: which replica holds it, if
+    any) is open and was not asked about, at the run's end (a commit then need not be durable), and every
+    QUIET_PERIODS periods in any case."""
+    return (last is None or ending or unasked_in_doubt or shown != last.shown
+            or now - last.at >= QUIET_PERIODS * period)

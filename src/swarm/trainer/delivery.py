@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarm.config import TrainerConfig
-from swarm.core import LedgerReply, Verdict, judge, merge_answers
+from swarm.core import Asked, LedgerReply, Verdict, judge, merge_answers, worth_asking
 from swarm.net.directory import short
 from swarm.net.transport import CallFailed, StageClient
 from swarm.trainer.calls import MicrobatchFailed, Served, StageCaller
@@ -34,6 +34,7 @@ class KeptGradient:
     holder: str
     epoch: int
     judge_after: float  # monotonic time before which no verdict is taken (a doubtful call may still run)
+    doubtful: bool = False  # its accumulating call went unanswered: `holder` may not hold it
     replaying: bool = False
 
 
@@ -48,11 +49,14 @@ class GradientKeeper:
         self.kept: dict[tuple[str, int], KeptGradient] = {}
         self.replays = 0  # lost gradients accumulated again, by a server that answered
         self._replaying: set[asyncio.Task] = set()
+        self._asked: dict[int, Asked] = {}  # stage -> the last question to its replicas
+        self.questions = 0  # `ledger` calls made
 
     def keep(self, req: str, stage: int, method: str, tensors: list[Carried], served: Served) -> None:
         doubtful = served.holder != served.peer
         judge_after = time.monotonic() + (self.tc.request_timeout if doubtful else 0.0)
-        self.kept[req, stage] = KeptGradient(req, stage, method, tensors, served.holder, served.epoch, judge_after)
+        self.kept[req, stage] = KeptGradient(req, stage, method, tensors, served.holder, served.epoch, judge_after,
+                                             doubtful)
 
     async def loop(self) -> None:
         while True:
@@ -63,7 +67,8 @@ class GradientKeeper:
                 log.warning("could not check the delivery of gradients: %s", e)
 
     async def _judge_all(self) -> None:
-        """Ask each stage's replicas about our kept gradients: the two most advanced (a second one checks
+        """Ask each stage's replicas about our kept gradients, where their answers may have changed since
+        the last question (`swarm.core.delivery.worth_asking`): the two most advanced (a second one checks
         the first's claims, see `swarm.core.delivery.merge_answers`) and every live holder. Epochs far
         ahead of what most replicas announce are not believed (see SwarmView.live_epoch)."""
         now = time.monotonic()
@@ -72,10 +77,18 @@ class GradientKeeper:
             live = self.view.servers[stage]
             if not open_ or not live:
                 continue
+            last = self._asked.get(stage)
+            shown = (frozenset((r.peer_id, r.epoch) for r in live),
+                     frozenset(g.holder for g in open_ if self.view.seen_lately(stage, g.holder)))
+            in_doubt = any(g.doubtful and (last is None or g.req not in last.reqs) for g in open_)
+            if not worth_asking(last, shown, now, self.announce_period, in_doubt, self.done()):
+                continue
+            self._asked[stage] = Asked(shown, now, frozenset(g.req for g in open_))
             top = self.view.live_epoch(stage)
             advanced = sorted((r for r in live if r.epoch <= top), key=lambda r: r.epoch, reverse=True)
             ask = sorted({r.peer_id for r in advanced[:2]} | {g.holder for g in open_
                                                                 if self.view.seen_lately(stage, g.holder)})
+            self.questions += len(ask)
             replies = await asyncio.gather(*(self._ask_ledger(peer, stage, open_) for peer in ask))
             answers = {peer: reply for peer, reply in zip(ask, replies, strict=True) if reply is not None}
             if not answers:

@@ -336,6 +336,7 @@ class Trainer:
             "retries": self.caller.retries,
             "inputs_resent": self.caller.inputs_resent,
             "replays": self.keeper.replays,
+            "ledger_questions": self.keeper.questions,  # `ledger` calls asking where its gradients stand
             "unresolved": self.unresolved,
             "started": self.progress.started,
             "call_seconds": self.caller.call_seconds,
