@@ -68,5 +68,5 @@ class NearestStores:
             nearest = (await self.node.find_nearest_nodes([key_id], k_nearest=self.node.num_replicas))[key_id]
             # (keys no longer stored to, a data block's finished group say, are forgotten)
             self._nearest = {k: v for k, v in self._nearest.items() if now - v[0] <= self.ttl}
-            self._nearest[key_id] = found = (self.clock(), nearest)
+            self._nearest[key_id] = found = (now, nearest)
         return found[1]
