@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -34,6 +35,8 @@ from swarm.ops.procs import signal_machine
 from swarm.ops.status import SwarmStatus, read_status
 
 log = logging.getLogger("swarm.local")
+TICK = 0.5  # seconds between checks of the peers' processes
+FOLLOW_EVERY = 5.0  # seconds between looks at a plain run's DHT records while its trainers train
 
 
 @dataclass
@@ -319,12 +322,18 @@ class LocalSwarm:
         target = self.cfg.trainer.target_steps
         bar = tqdm(total=target, desc="steps", unit="step", disable=not progress, dynamic_ncols=True)
         deadline = time.monotonic() + self.cfg.local.timeout
-        started, status = time.monotonic(), SwarmStatus()
+        started, status, looked = time.monotonic(), SwarmStatus(), -math.inf
         try:
             while True:
-                # a fault script acts on what it sees within half a second; a plain run is followed at a
-                # gentler pace, since every look reads each stage's records from the swarm's DHT nodes
-                await asyncio.sleep(0.5 if on_status is not None else 2.0)
+                await asyncio.sleep(TICK)
+                trainers_over = self._trainers_over()
+                # a look reads every stage's records and the trainers' from the swarm's DHT nodes, which are
+                # its servers: CPU taken from their compute. A fault script acts on what it sees within a tick;
+                # a plain run is looked at every FOLLOW_EVERY while it trains, and at every tick once its
+                # trainers are over, to end as soon as the stages have flushed their last samples.
+                if on_status is None and not trainers_over and time.monotonic() - looked < FOLLOW_EVERY:
+                    continue
+                looked = time.monotonic()
                 status = await read_status(directory, self.cfg.model.num_stages)
                 if on_status is not None:
                     on_status(status)
@@ -334,13 +343,6 @@ class LocalSwarm:
                     f"loss {status.loss:.3f} | {rate:.1f} samples/s | servers/stage "
                     + "/".join(str(len(status.epochs.get(k, []))) for k in range(self.cfg.model.num_stages))
                 )
-                for p in [*self.trainers(), *self.hosted.values()]:
-                    # SIGKILL is how a machine vanishes (a fault injected): the others carry on
-                    if p.process.poll() not in (None, 0, -signal.SIGKILL):
-                        code, tail = p.process.returncode, p.log_tail()
-                        raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
-                trainers_over = all(not p.alive() for p in self.trainers()) and all(
-                    not p.alive() or self._trained(index) for index, p in self.hosted.items())
                 stages_even = all(len(set(e)) == 1 for e in status.epochs.values() if e)
                 if trainers_over and status.pending == 0 and stages_even:
                     return status
@@ -348,6 +350,16 @@ class LocalSwarm:
                     raise TimeoutError(f"the run did not finish within {self.cfg.local.timeout:.0f}s")
         finally:
             bar.close()
+
+    def _trainers_over(self) -> bool:
+        """Whether every trainer is over (a trainer inside a server: it wrote its summary, or its server is
+        gone); raises if one failed. SIGKILL is how a machine vanishes (a fault injected): the others carry on."""
+        for p in [*self.trainers(), *self.hosted.values()]:
+            if p.process.poll() not in (None, 0, -signal.SIGKILL):
+                code, tail = p.process.returncode, p.log_tail()
+                raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
+        return all(not p.alive() for p in self.trainers()) and all(
+            not p.alive() or self._trained(index) for index, p in self.hosted.items())
 
     # ---- stopping ----------------------------------------------------------------------------
 
