@@ -327,10 +327,9 @@ class LocalSwarm:
             while True:
                 await asyncio.sleep(TICK)
                 trainers_over = self._trainers_over()
-                # a look reads every stage's records and the trainers' from the swarm's DHT nodes, which are
-                # its servers: CPU taken from their compute. A fault script acts on what it sees within a tick;
-                # a plain run is looked at every FOLLOW_EVERY while it trains, and at every tick once its
-                # trainers are over, to end as soon as the stages have flushed their last samples.
+                # a look reads every stage's and trainer's records from the DHT nodes, the servers (CPU taken from
+                # their compute): a plain run is looked at every FOLLOW_EVERY while it trains, and at every tick
+                # (as a fault script sees it) once its trainers are over, to end as soon as the stages flushed.
                 if on_status is None and not trainers_over and time.monotonic() - looked < FOLLOW_EVERY:
                     continue
                 looked = time.monotonic()
@@ -352,9 +351,8 @@ class LocalSwarm:
             bar.close()
 
     def _trainers_over(self) -> bool:
-        """Whether every trainer is over (a trainer inside a server: it wrote its summary, or its server is
-        gone); raises if one failed. SIGKILL is how a machine vanishes (a fault injected): the others carry on."""
-        for p in [*self.trainers(), *self.hosted.values()]:
+        """Whether every trainer is over (one inside a server: it wrote its summary); raises if one failed."""
+        for p in [*self.trainers(), *self.hosted.values()]:  # (SIGKILL: a machine vanished, the others go on)
             if p.process.poll() not in (None, 0, -signal.SIGKILL):
                 code, tail = p.process.returncode, p.log_tail()
                 raise RuntimeError(f"{p.name} failed (exit code {code}); {p.log_path} ends with:\n{tail}")
