@@ -135,13 +135,30 @@ def test_a_server_and_a_trainer_sent_sigterm_leave_cleanly_and_the_run_goes_on(t
 
 
 @pytest.mark.timeout(300)
-def test_trainers_inside_servers_train_the_swarm_and_call_their_own_server_without_the_network(tmp_path):
+def test_trainers_inside_servers_train_call_their_own_server_directly_and_finish_when_it_is_sent_sigterm(tmp_path):
     """`local.trainers_in_servers`: each trainer runs in a server's process (`server.train`: stage 0's
     first), on that server's DHT peer and p2p daemon. Its calls to its own server go straight to the
-    servicer, so none of their bytes cross the wire; its calls to the other servers do."""
-    cfg = small_config(tmp_path, "local.trainers_in_servers=true", "local.layout=[1, 2]")
-    summary = run_swarm(LocalSwarm(cfg))
+    servicer, so none of their bytes cross the wire; its calls to the other servers do. SIGTERM to a server
+    that trains (the stage-1 one): its trainer winds down as a trainer of its own would (its microbatches
+    under way finish, their gradients settle), the server leaves, the process exits 0, and the other
+    servers and trainer carry the run to its end, every microbatch exactly once."""
+    cfg = small_config(tmp_path, "local.trainers_in_servers=true", "local.layout=[1, 2]", "trainer.target_steps=10")
+    swarm = LocalSwarm(cfg)
+    leaving = []
 
+    def terminate_once(status) -> None:
+        if not leaving and status.min_epoch >= 3:
+            leaving.append(swarm.hosted[1])
+            leaving[0].signal(signal.SIGTERM)
+
+    summary = run_swarm(swarm, terminate_once)
+
+    assert leaving, "the run ended before the server could be stopped"
+    server = leaving[0]
+    assert server.process.returncode == 0
+    log = server.log_path.read_text()
+    assert "trainer stopping: finishing the microbatches in flight" in log
+    assert re.search(r"trainer …\w+ done: \d+ samples, 0 microbatches failed", log), log[-2000:]
     assert summary["microbatches_failed"] == 0
     assert summary["final_loss"] < LEARNED_LOSS < summary["first_loss"], summary
     for stage, info in summary["stages"].items():
@@ -162,32 +179,3 @@ def test_trainers_inside_servers_train_the_swarm_and_call_their_own_server_witho
     assert first["activations"]["sent"] > 0 and first["gradients"]["received"] > 0
     # trainer 1, in a stage-1 server, reached stage 0 over the network
     assert trainers[1]["traffic"]["activations"]["received"] > 0
-
-
-@pytest.mark.timeout(300)
-def test_a_server_with_a_trainer_sent_sigterm_lets_its_trainer_finish_and_leaves_cleanly(tmp_path):
-    """SIGTERM to a server that trains (`server.train`): its trainer winds down as a trainer of its own
-    would (its microbatches under way finish, their gradients settle), the server leaves, the process exits
-    0, and the other servers and trainer carry the run to its end, every microbatch exactly once."""
-    cfg = small_config(tmp_path, "trainer.target_steps=12", "local.trainers_in_servers=true")
-    swarm = LocalSwarm(cfg)
-    leaving = []
-
-    def terminate_once(status) -> None:
-        if not leaving and status.min_epoch >= 3:
-            leaving.append(swarm.hosted[0])
-            leaving[0].signal(signal.SIGTERM)
-
-    summary = run_swarm(swarm, terminate_once)
-
-    assert leaving, "the run ended before the server could be stopped"
-    server = leaving[0]
-    assert server.process.returncode == 0
-    log = server.log_path.read_text()
-    assert "trainer stopping: finishing the microbatches in flight" in log
-    assert re.search(r"trainer …\w+ done: \d+ samples, 0 microbatches failed", log), log[-2000:]
-    assert summary["microbatches_failed"] == 0
-    for stage, info in summary["stages"].items():
-        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
-    assert_exactly_once(summary)
-    assert_replicas_in_step(summary, tmp_path)

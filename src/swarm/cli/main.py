@@ -200,9 +200,8 @@ def _status(cfg: SwarmConfig, as_json: bool, every: float | None) -> None:
 
 
 def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
-    from swarm.net.join import JoinServicer
-    from swarm.net.node import check_join, start_dht, visible_addresses
-    from swarm.net.secret import load_secret
+    from swarm.net.bootstrap import open_bootstrap
+    from swarm.net.node import start_dht, visible_addresses
 
     dht = start_dht(cfg.net)
     stop = asyncio.Event()
@@ -210,10 +209,7 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
     async def wait() -> None:
         loop = asyncio.get_running_loop()
         on_stop_signals(loop, stop.set, STOP_MARGIN, "bootstrap peer")
-        p2p = await dht.replicate_p2p()
-        secret = load_secret(cfg.net.secret_path)
-        await check_join(dht, p2p, cfg.net, serving=False, secret=secret)
-        await JoinServicer(p2p, secret).add_p2p_handlers(p2p)  # newcomers greet it: clock and dial-back checks
+        p2p = await open_bootstrap(dht, cfg.net)
         addrs = visible_addresses(dht)
         kept = f" (peer id kept in {cfg.net.identity_path})" if cfg.net.identity_path else ""
         print(f"Bootstrap peer is up{kept}. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)

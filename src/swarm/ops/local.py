@@ -17,16 +17,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from swarm.config import ConfigError, SwarmConfig, replace, to_toml
+from swarm.net.bootstrap import Bootstrap
 from swarm.net.directory import Directory
-from swarm.net.node import start_dht
 from swarm.ops import netlab
 from swarm.ops.cpushare import CpuShare
 from swarm.ops.netlab import Host, NetLab
@@ -83,6 +82,7 @@ class LocalSwarm:
         self.initial_peers: tuple[str, ...] = ()
         self._counter = 0
         self.lab: NetLab | None = None
+        self.bootstrap: Bootstrap | None = None
         self.shares: list[CpuShare] = []
         self.hosted: dict[int, Peer] = {}  # trainer index -> the server whose process runs it (`server.train`)
         self.core_sets: list[Cores] = []  # the servers' compute cores, where the launch pins them
@@ -111,8 +111,8 @@ class LocalSwarm:
             env["GOMAXPROCS"] = str(self.cfg.local.daemon_threads)
         wrap = netlab.wrap(host) if host else ()
         cmd = [*wrap, sys.executable, "-m", "swarm.cli.main", role, "--config", str(self.run_dir / "config.toml")]
-        if role != "dht":  # a fault injector may delay or drop this peer's messages through this file
-            overrides = [*overrides, f'net.fault_file="{fault_file(self.run_dir, name)}"']
+        # a fault injector may delay or drop this peer's messages through this file
+        overrides = [*overrides, f'net.fault_file="{fault_file(self.run_dir, name)}"']
         given = [o.partition("=")[2] for o in overrides if o.startswith("net.metrics_port=")]
         metrics_port = int(given[-1]) if given else 0
         if not given and self.cfg.net.metrics_port and role in ("server", "trainer"):
@@ -183,11 +183,8 @@ class LocalSwarm:
         else:  # one host: every peer on loopback, reachable from this machine only
             self.cfg = replace(self.cfg, net={"host": "127.0.0.1"})
         (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
-        addr_file = self.run_dir / "bootstrap.addr"
-        addr_file.unlink(missing_ok=True)
-        bootstrap = self._spawn("dht", "bootstrap", [], None, extra=(f"--addr-file={addr_file}",))
-        self._wait(lambda: addr_file.exists() and addr_file.read_text().strip(), 60, "the bootstrap peer", bootstrap)
-        self.initial_peers = tuple(addr_file.read_text().split())
+        self.bootstrap = Bootstrap(self.cfg.net)  # in this process: no peer waits for one to start
+        self.initial_peers = tuple(self.bootstrap.addresses)
 
     def _plan_cores(self, servers: int) -> None:
         loc = self.cfg.local
@@ -285,37 +282,32 @@ class LocalSwarm:
         """Block until the run is over; `on_status` sees every poll (tests inject faults from it)."""
         return asyncio.run(self._watch(progress, on_status))
 
-    @asynccontextmanager
-    async def _observer(self) -> AsyncIterator[Directory]:
-        """The swarm's directory, read through a DHT client of the launcher's own."""
-        dht = start_dht(replace(self.cfg, net={"initial_peers": self.initial_peers, "port": 0}).net, client_mode=True)
-        try:
-            yield Directory(dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
-        finally:
-            dht.shutdown()
+    def _directory(self) -> Directory:
+        """The swarm's directory, read through the DHT node of its bootstrap peer (in this process)."""
+        if self.bootstrap is None:
+            raise RuntimeError("the local swarm has not been started")
+        return Directory(self.bootstrap.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
 
     async def _wait_for_servers(self) -> None:
         """Until every server launched so far has announced itself (`local.trainers_wait`)."""
         launched = self.servers()
         deadline = time.monotonic() + self.cfg.local.timeout
-        async with self._observer() as directory:
-            while True:
-                status = await read_status(directory, self.cfg.model.num_stages)
-                up = {name for names in status.members.values() for name in names}
-                if all(p.name in up for p in launched):
-                    return
-                for p in launched:
-                    if not p.alive():
-                        raise RuntimeError(f"{p.name} exited early; {p.log_path} ends with:\n{p.log_tail()}")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"servers not up within {self.cfg.local.timeout:.0f}s: "
-                                       + ", ".join(p.name for p in launched if p.name not in up))
-                await asyncio.sleep(0.5)
+        while True:
+            status = await read_status(self._directory(), self.cfg.model.num_stages)
+            up = {name for names in status.members.values() for name in names}
+            if all(p.name in up for p in launched):
+                return
+            for p in launched:
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited early; {p.log_path} ends with:\n{p.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers not up within {self.cfg.local.timeout:.0f}s: "
+                                   + ", ".join(p.name for p in launched if p.name not in up))
+            await asyncio.sleep(0.5)
 
     async def _watch(self, progress: bool, on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
         """Follow the run until every trainer finished and every stage flushed its last samples."""
-        async with self._observer() as directory:
-            return await self._follow(directory, progress, on_status)
+        return await self._follow(self._directory(), progress, on_status)
 
     async def _follow(self, directory: Directory, progress: bool,
                       on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
@@ -385,6 +377,9 @@ class LocalSwarm:
             p.process.wait()
         for share in self.shares:
             share.close()
+        if self.bootstrap is not None:
+            self.bootstrap.shutdown()
+            self.bootstrap = None
         if self.lab is not None:
             self.lab.close()
 
