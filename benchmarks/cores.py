@@ -26,7 +26,7 @@ from swarm.ops.report import collect
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import ISSUE_MODEL, swarm_run, warmed_up  # noqa: E402  (sibling scripts, not a package)
 
-ROLES = ("server", "trainer", "dht")  # `swarm.cli.main <role>`: the bootstrap peer runs as `dht`
+ROLES = ("server", "trainer")  # `swarm.cli.main <role>`
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -67,7 +67,7 @@ def snapshot(root: int) -> Counter[str]:
         top = owner(pid)
         if pid == root or top is None:
             continue
-        role = _role(procs[top][3]) or "this benchmark's status reads"
+        role = _role(procs[top][3]) or "this benchmark's bootstrap peer and status reads"
         if name == "p2pd":
             ticks[f"{role}: p2pd daemon"] += used
         elif pid != top:

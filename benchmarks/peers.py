@@ -188,8 +188,8 @@ class CpuSampler:
 
 
 def kind_of(pid: int) -> str:
-    """A local swarm's process by role: 'server', 'trainer', 'bootstrap' (its `swarm dht` peer), 'launcher'
-    (this process), 'p2pd'; a DHT process hivemind forked from one of them is 'server DHT' etc."""
+    """A local swarm's process by role: 'server', 'trainer', 'launcher' (this process, which runs the swarm's
+    bootstrap peer), 'p2pd'; a DHT process hivemind forked from one of them is 'server DHT' etc."""
     def command(p: int) -> list[bytes]:
         return Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
 
@@ -200,7 +200,7 @@ def kind_of(pid: int) -> str:
         if b"p2pd" in argv[0]:
             return "p2pd"
         roles = [r.decode() for r in (b"server", b"trainer") if r in argv]
-        return roles[0] if roles else "bootstrap" if b"dht" in argv else "other"
+        return roles[0] if roles else "other"
 
     try:
         parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
