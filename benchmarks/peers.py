@@ -118,6 +118,8 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
               "given_up": collected["microbatches_given_up"],
               "recomputed_backwards": sum(r["recomputed_backwards"] for st in summary["stages"].values()
                                           for r in st["replicas"]),
+              "recomputed_why": dict(sum((Counter(r["recomputed_why"]) for st in summary["stages"].values()
+                                          for r in st["replicas"]), Counter())),
               "cores": cpu.cores(since, fed), "dht_ops": dht_ops(Path(run_dir))}
     if kill_stage is not None:
         if not killed:

@@ -107,7 +107,7 @@ def test_a_swarm_restarted_from_checkpoints_continues(tmp_path):
 def test_a_server_and_a_trainer_sent_sigterm_leave_cleanly_and_the_run_goes_on(tmp_path):
     """SIGTERM as systemd, `kill -- -PGID` or a terminal send it: to the peer's whole process group.
     (Tensors travel exact here: the uncompressed path of the wire through a change of the swarm.)"""
-    cfg = small_config(tmp_path, "trainer.target_steps=12", 'wire.activations="none"', 'wire.gradients="none"',
+    cfg = small_config(tmp_path, "trainer.target_steps=10", 'wire.activations="none"', 'wire.gradients="none"',
                        'wire.allreduce="none"')
     swarm = LocalSwarm(cfg)
     leaving = []

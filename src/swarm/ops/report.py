@@ -66,9 +66,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
     for s in servers:
         stages.setdefault(s["stage"], {"replicas": []})["replicas"].append(
             {k: s[k] for k in ("peer_id", "epoch", "digest", "fast_backwards", "recomputed_backwards",
-                               "throughput", "busy_seconds", "alive_seconds", "refused", "failed_rounds",
-                               "catch_ups", "lost_samples", "stale_refusals", "busy_refusals", "duplicates",
-                               "samples_served", "reply_delay")}
+                               "recomputed_why", "throughput", "busy_seconds", "alive_seconds", "refused",
+                               "failed_rounds", "catch_ups", "lost_samples", "stale_refusals", "busy_refusals",
+                               "duplicates", "samples_served", "reply_delay")}
         )
     step_samples: dict[int, dict[int, int]] = {}  # stage -> epoch -> samples of the whole stage
     step_ids: dict[int, dict[int, list[list[str]]]] = {}  # stage -> epoch -> each replica's list of its ids

@@ -312,6 +312,7 @@ class StageServer:
             "steps": len(st.steps),  # each one is in the .steps.jsonl beside this file
             "fast_backwards": rt.fast_backwards,
             "recomputed_backwards": rt.recomputed_backwards,
+            "recomputed_why": dict(rt.recomputed),
             "duplicates": rt.duplicates,
             "mode": self.cfg.optim.mode,
             "reply_delay": self.cfg.server.reply_delay,

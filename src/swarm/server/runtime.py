@@ -11,10 +11,9 @@ Forward graphs are kept so that the backward usually costs one backward pass (th
 them the stage's inputs, which a backward to this replica then need not carry. A step that comes between a
 forward and its backward does not spoil the graph: the weights it ran at are kept for it
 (`swarm.server.stash`), so its backward is the exact gradient at those weights, accumulated into the step
-that follows. Only a graph that was evicted, a weight change other than a step (a downloaded state), or a
-backward that arrives at another replica makes the backward recompute the forward from its inputs. A
-graph built for a batch of several requests is back-propagated once for all of them (`backward_batch`):
-running it once per request would cost a full batch backward each time.
+that follows. Only an evicted graph, a weight change other than a step, or a backward that arrives at another
+replica makes it recompute the forward from its inputs (`swarm.server.graphs`). A graph built for a batch of
+several requests is back-propagated once for all of them (`backward_batch`), not once per request.
 
 Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its microbatch's
 mean gradient at once (a local update). Each forward runs on a copy of the weights it saw (weight stashing, as in
@@ -27,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import Counter
 from functools import partial
 
 import torch
@@ -37,6 +37,7 @@ from swarm.core.schedule import warmup_lr
 from swarm.server.anchor import Anchor, AverageRound, averaged
 from swarm.server.device import autocast_dtype, prepare
 from swarm.server.gradvec import SetAside, take_vector
+from swarm.server.graphs import REPLACED, KeptGraphs
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
@@ -68,14 +69,13 @@ class StageRuntime:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = stage_optimizer(self.params, optim)
         self.autocast_dtype = autocast_dtype(autocast, self.device)
-        self.graph_ttl = graph_ttl
         self.epoch = 0
         self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
         self.aside = SetAside()  # a failed round's part, held apart (see `return_part`)
         self.duplicates = 0  # requests for microbatches already held or committed: not accumulated again
-        self.graphs: dict[str, BatchGraph] = {}  # request id -> the graph holding its forward
+        self.graphs = KeptGraphs(graph_ttl)  # request id -> the graph holding its forward
         self.fast_backwards = 0
-        self.recomputed_backwards = 0
+        self.recomputed: Counter[str] = Counter()  # backwards recomputed, by why no kept graph served
         self.version = 0  # changes of the weights: steps, local updates, averaging rounds
         self.kept = KeptWeights(self.params, lambda: self.version)  # sync: weights overtaken graphs ran at
         self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
@@ -132,9 +132,9 @@ class StageRuntime:
         results, start = [], 0
         for req_id, x in requests:
             graph.rows[req_id] = rows = slice(start, start + x.shape[0])
-            self.graphs[req_id] = graph
             results.append(on_host(self.wire, "activations", outputs[rows]))
             start = rows.stop
+        self.graphs.keep(graph)
         return results
 
     def forward_backward_last(
@@ -194,15 +194,16 @@ class StageRuntime:
         graph = self.live_graph(req_id)
         if accumulate and graph is not None and graph.size == 1:
             return self.backward_batch(graph, {req_id: grad_out})[req_id]
-        self.graphs.pop(req_id, None)
         if not (accumulate and self.accumulates(req_id)):
+            self.graphs.pop(req_id, None)
             self.duplicates += 1
             return self._input_grad(x, grad_out)
+        self.recomputed[self.graphs.why_unusable(req_id, self._usable)] += 1
+        self.graphs.pop(req_id, None)
         inputs = self.leaf(x)
         with self.autocast():
             outputs = self.module(inputs)
         outputs.backward(grad_out.to(self.device))
-        self.recomputed_backwards += 1
         self._hold(req_id, x.shape[0], self.version)
         self._local_update(x.shape[0])
         return None if self.is_first else on_host(self.wire, "gradients", inputs.grad)
@@ -252,12 +253,12 @@ class StageRuntime:
         self._release_kept()
         return results
 
+    @property
+    def recomputed_backwards(self) -> int:
+        return sum(self.recomputed.values())
+
     def evict_stale_graphs(self) -> None:
-        """Drop graphs whose backward never came (the trainer died) or that a step made invalid."""
-        now = time.monotonic()
-        stale = [r for r, g in self.graphs.items() if not self._usable(g) or now - g.created > self.graph_ttl]
-        for r in stale:
-            del self.graphs[r]
+        self.graphs.evict(self._usable)
         self._release_kept()
 
     def _release_kept(self) -> None:
@@ -376,7 +377,7 @@ class StageRuntime:
             self.averaging.return_to()
             self.version += 1
         self.book.clear_pending()
-        self.graphs.clear()
+        self.graphs.drop_all(REPLACED)
         self._release_kept()
         return lost
 

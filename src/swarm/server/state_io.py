@@ -12,6 +12,7 @@ import torch
 
 from swarm.core.ledger import carry
 from swarm.server.anchor import averaged
+from swarm.server.graphs import REPLACED
 from swarm.server.weights_hash import digest
 from swarm.wire.validate import all_finite
 
@@ -134,7 +135,7 @@ def carry_over(rt: StageRuntime, fate: list[bool] | None) -> int:
     if fate is None:
         return rt.discard_gradients()
     rt.book.unpend(rt.aside.give_back(rt.params, fate))  # the loaded step holds the parts not given back
-    rt.graphs.clear()
+    rt.graphs.drop_all(REPLACED)
     rt.kept.release(())
     return 0
 
