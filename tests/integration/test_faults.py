@@ -87,8 +87,10 @@ def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
     calls in hand its main process alone is SIGKILLed: its helpers go with it, the connections break, and
     the calls it had are re-sent at once. Gradients it held unstepped, or may have (a backward it never
     answered), are accumulated again from what the trainers kept."""
+    # (trainers start once every server is up: a stage-0 replica that got work before its peer was up would
+    # take the stage's first step alone, which is not what is looked at here)
     cfg = small_config(tmp_path, "trainer.target_steps=1000", "trainer.min_request_timeout=12.0",
-                       "trainer.request_timeout=14.0", f"trainer.ban_seconds={BAN}")
+                       "trainer.request_timeout=14.0", f"trainer.ban_seconds={BAN}", "local.trainers_wait=true")
     swarm = LocalSwarm(cfg)
     faults = FaultInjector(tmp_path)
     victim: list[Peer] = []
