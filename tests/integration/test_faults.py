@@ -76,6 +76,10 @@ def waiting_at(failures: list[tuple[float, float]], moment: float) -> list[float
     return [at - moment for at, waited in failures if at - waited < moment < at]
 
 
+# in make test-slow: the suite's longest (75-100 s on 2 cores), and on a slower 2-core machine it failed 2 runs of
+# 5: a start race (now excluded: local.trainers_wait), and once no call was left at the victim to be killed with
+# it, as the trainer's connections to it had broken 7 s before (not understood yet)
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calls_waiting_on_a_lost_server_are_sent_elsewhere_in_seconds(tmp_path):
     """Calls queue at a slowed stage-0 server with timeouts far longer than what follows. It is frozen
