@@ -67,3 +67,12 @@ def test_only_the_newest_reasons_are_remembered(monkeypatch) -> None:
     kept.drop_all(REPLACED)
     assert [kept.why_unusable(r, lambda g: True) for r in ("first", "second", "third")] == [
         NOT_KEPT, REPLACED, REPLACED]
+
+
+def test_a_request_left_out_of_its_batchs_backward_is_recomputed_as_batched() -> None:
+    rt = stage_runtime()
+    x, dy = hidden(1), hidden(2)
+    rt.forward([("served", x), ("left", hidden(3))])
+    rt.backward_batch(rt.graphs["served"], {"served": dy})
+    rt.backward("left", hidden(3), dy)
+    assert rt.recomputed == {BATCHED: 1} and rt.fast_backwards == 1

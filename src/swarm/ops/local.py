@@ -96,7 +96,6 @@ class LocalSwarm:
         name: str,
         overrides: list[str],
         stage: int | None = None,
-        extra: tuple[str, ...] = (),
         host: Host | None = None,
         slowdown: float = 1.0,
     ) -> Peer:
@@ -122,7 +121,6 @@ class LocalSwarm:
             overrides = [*overrides, f"net.metrics_port={metrics_port}"]
         for o in overrides:
             cmd += ["--set", o]
-        cmd += extra
         share = None
         if role == "server" and self.cfg.local.server_cpus:
             share = CpuShare(f"swarm-{os.getpid()}-{name}", self.cfg.local.server_cpus / slowdown)
@@ -291,9 +289,9 @@ class LocalSwarm:
     async def _wait_for_servers(self) -> None:
         """Until every server launched so far has announced itself (`local.trainers_wait`)."""
         launched = self.servers()
-        deadline = time.monotonic() + self.cfg.local.timeout
+        deadline, directory = time.monotonic() + self.cfg.local.timeout, self._directory()
         while True:
-            status = await read_status(self._directory(), self.cfg.model.num_stages)
+            status = await read_status(directory, self.cfg.model.num_stages)
             up = {name for names in status.members.values() for name in names}
             if all(p.name in up for p in launched):
                 return

@@ -4,15 +4,15 @@ A backward is recomputed from its inputs when its forward's graph is not here to
 at another replica or before this server served the stage ("not kept here"); its backward did not come
 within `server.graph_ttl` ("expired"); a step changed the weights it ran at and none were kept for it
 ("weights changed"); the replica took other weights or dropped its gradients ("state replaced"); or it ran
-in a batch with other requests and another's backward consumed it ("batched"). Each costs a forward pass,
-so a server counts its recomputations by reason: a run that recomputes says why.
+in a batch with other requests, whose backward ran without it or which it was asked for alone ("batched").
+Each costs a forward pass, so a server counts its recomputations by reason: a run that recomputes says why.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from swarm.server.records import BatchGraph
 
@@ -32,6 +32,14 @@ class KeptGraphs(dict[str, BatchGraph]):
     def keep(self, graph: BatchGraph) -> None:
         for req_id in graph.rows:
             self[req_id] = graph
+
+    def consume(self, graph: BatchGraph, served: Collection[str]) -> None:
+        """A batch graph's backward ran for the requests `served`: the others in it can no longer use it."""
+        for req_id in graph.rows:
+            if req_id in served:
+                self.pop(req_id, None)
+            else:
+                self.drop(req_id, BATCHED)
 
     def evict(self, usable: Callable[[BatchGraph], bool]) -> None:
         """Drop the graphs the weights moved away from, and those whose backward never came (its trainer

@@ -227,8 +227,7 @@ class StageRuntime:
         """
         if not self._usable(graph):
             raise ValueError("the graph was built with weights this replica no longer holds")
-        for req_id in graph.rows:
-            self.graphs.pop(req_id, None)
+        self.graphs.consume(graph, grads)
         fresh = {r: dy for r, dy in grads.items() if self.accumulates(r)}
         results: dict[str, torch.Tensor | None] = {}
         if fresh:
