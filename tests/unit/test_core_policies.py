@@ -57,6 +57,21 @@ def test_a_shorter_first_ban_stands_for_the_base_and_doubles_the_same_way():
     assert bans.ban("q", 0.0, base=40.0) == 15.0
 
 
+def test_a_ban_for_slowness_alone_is_told_apart_until_another_failure_joins_it():
+    bans = BanList(base_seconds=10.0, max_seconds=100.0)
+    bans.ban("p", 0.0, slow=True)
+    bans.ban("p", 1.0, slow=True)
+    assert bans.only_slow("p", 2.0) and bans.is_banned("p", 2.0)
+    assert not bans.only_slow("p", 11.0)  # the ban is over: nothing to tell apart
+    bans.ban("p", 3.0)  # a broken connection during the ban: no longer slow alone
+    assert bans.is_banned("p", 4.0) and not bans.only_slow("p", 4.0)
+    bans.ban("q", 0.0)
+    bans.ban("q", 1.0, slow=True)  # slowness after a failure does not clear it
+    assert not bans.only_slow("q", 2.0)
+    bans.ban("q", 100.0, slow=True)  # a new ban, slow from its start
+    assert bans.only_slow("q", 101.0)
+
+
 def test_forgive_keeps_running_ban():
     bans = BanList(base_seconds=4.0, max_seconds=60.0)
     bans.ban("p", 0.0)

@@ -112,6 +112,21 @@ def test_preferred_and_banned_servers(routing):
     assert trainer.pick(0, None) is None
 
 
+@pytest.mark.parametrize("failure", ["forward timeout", "backward timeout", "broken connection"])
+def test_a_backward_still_goes_to_a_server_banned_only_for_a_forwards_timeout(failure):
+    """A forward that timed out behind a slow server's queue bans it from new work, yet the backwards of
+    the forwards it ran still go to it (it keeps their graphs, and serves backwards first); a backward's
+    timeout or a broken connection sends them elsewhere, to be recomputed."""
+    trainer = _trainer("random")
+    method = failure.split()[0] if "timeout" in failure else "forward"
+    call = trainer._stage_call(0, method, "r", False, "a", 1)
+    trainer._fault(0, method, "a", call, waited=1.0, timed_out="timeout" in failure)
+    assert trainer.bans.is_banned("a", time.monotonic())
+    assert {trainer.pick(0, None) for _ in range(20)} == {"b"}  # no new work for it
+    expected = {"a"} if failure == "forward timeout" else {"b"}
+    assert {trainer.pick(0, "a") for _ in range(20)} == expected
+
+
 def test_the_epoch_callers_expect_and_the_run_s_progress_ignore_a_lying_record():
     """A record at epoch 10^9 beside honest replicas at 53: calls still carry 53 (else every honest
     replica would refuse them as stale), and the run is not taken for finished. A replica a step or two

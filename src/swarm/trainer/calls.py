@@ -90,7 +90,10 @@ class StageCaller:
     def pick(self, stage: int, prefer: str | None) -> str | None:
         now = time.monotonic()
         live = {r.peer_id: r for r in self.view.servers[stage]}
-        if prefer in live and not self.bans.is_banned(prefer, now):
+        # a backward goes where its forward ran, unless that server failed otherwise than by a forward's
+        # timeout: a server behind a queue of forwards is alive and serves backwards before them
+        # (swarm.server.turns), while sent elsewhere the backward would cost its forward again
+        if prefer in live and (not self.bans.is_banned(prefer, now) or self.bans.only_slow(prefer, now)):
             return prefer
         measured = self.measured[stage]
         candidates = [  # a server on its way to another stage takes no new work
@@ -266,8 +269,9 @@ class StageCaller:
         while it keeps failing): a live server that fell behind, as a fast one can while its first calls
         warm it up, is out of turn only as long as its queue took, not for a whole ban with the stage's
         bulk of work sent to slower replicas; a hung one is still left out longer at each failure, and a
-        frozen or dead one once its record lapses."""
-        self.bans.ban(peer, time.monotonic(), base=waited if timed_out else None)
+        frozen or dead one once its record lapses. A forward's timeout is the server being slow (see `pick`)."""
+        self.bans.ban(peer, time.monotonic(), base=waited if timed_out else None,
+                      slow=timed_out and method == "forward")
         self.measured[stage].failed(peer, method, max(waited, call.timeout) / (1 + self._ahead(stage, peer, method)))
 
     async def _wait_for_server(self, stage: int) -> None:
