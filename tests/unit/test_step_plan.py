@@ -17,6 +17,7 @@ from swarm.core.stepping import (
     plan_step,
     suspect,
     unproven,
+    unseen_in,
     worth_telling,
 )
 
@@ -164,6 +165,18 @@ def test_a_proposal_is_accepted_only_for_our_epoch_with_us_and_everyone_we_know_
     assert not accept_proposal(memory, "me", 3, 3, ("me", "outsider"))
     # nor can anyone before our plan has looked at this epoch
     assert not accept_proposal(PlanMemory(), "me", 3, 3, ("b", "c", "me"))
+
+
+def test_the_members_of_a_proposal_our_plan_has_not_seen_are_named_only_where_nothing_else_is_amiss():
+    """They are why the stage is read again before the plan decides (a replica that announced itself
+    since the last read); a proposal refused for another reason reads nothing."""
+    _, memory = looks(view(0.0, Replica("b", 3, 4), pending=4))
+    assert unseen_in(memory, "me", 3, 3, ("b", "me")) == frozenset()
+    assert unseen_in(memory, "me", 3, 3, ("b", "me", "new")) == {"new"}
+    assert unseen_in(PlanMemory(), "me", 3, 3, ("b", "me")) == {"b"}  # the plan has not looked at epoch 3
+    assert unseen_in(memory, "me", 3, 2, ("b", "me", "new")) == frozenset()  # another epoch
+    assert unseen_in(memory, "me", 3, 3, ("b", "new")) == frozenset()  # without us
+    assert unseen_in(suspect(memory, ["b"], 9.0, 3), "me", 3, 3, ("b", "me", "new")) == frozenset()
 
 
 def test_an_epoch_claim_that_gave_no_state_stops_holding_the_stage_back_until_the_record_moves():

@@ -6,6 +6,7 @@ alone in its round steps where its gradients lie (`step_alone`), to the same wei
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from tests.unit.test_server_parts import CFG, ID, call, last_stage_request, serv
 from swarm.averaging.allreduce import RoundResult
 from swarm.averaging.failures import RoundFailed
 from swarm.core.ledger import carry
-from swarm.core.stepping import TRAINERS_QUIET
+from swarm.core.stepping import TRAINERS_QUIET, Step
 from swarm.model import load_stages
 from swarm.net.directory import RENEW_PERIODS
 from swarm.server.gate import ComputeGate
@@ -396,3 +397,31 @@ def test_a_replica_alone_reads_its_stage_as_often_as_records_are_renewed(handed:
         return reads
 
     assert asyncio.run(scenario()) == ([1, 2, 3] if handed else [0, 0, 1])
+
+
+def test_a_round_proposed_by_a_replica_the_last_read_missed_has_the_stage_read_again_and_joined() -> None:
+    """A replica that started a little later announced itself after our last read of the stage, gathered
+    samples and proposed the round with us. Its proposal is refused (a peer our plan has not seen at our
+    epoch must not get into the stage's round), but the next look reads the stage again at once, though the
+    last read is fresh, and steps with it instead of alone; its retried proposal is then accepted."""
+    newcomer = SimpleNamespace(peer_id="QmLate", epoch=0, pending=8, moving=False)
+    directory = _Directory([SimpleNamespace(done=False)], [])
+
+    async def scenario() -> None:
+        st, stepper = stepper_reading(directory)
+        st.runtime.book.hold("mb", CFG.optim.target_batch_size)  # (the samples its backwards left)
+        st.plan = replace(st.plan, alone_since=-math.inf)  # alone for longer than the grace
+        decision, _ = await stepper._look()
+        assert decision == Step(("QmMe",)) and directory.reads["stage"] == 1  # it would step alone
+        directory.records = [newcomer]
+        group = ("QmLate", "QmMe")
+        assert not st.accept_proposal(st.runtime.epoch, group)
+        assert st.wake.is_set()
+        decision, _ = await stepper._look()
+        assert directory.reads["stage"] == 2 and directory.fresh[-1] == 0.0
+        assert decision == Step(group)
+        assert st.accept_proposal(st.runtime.epoch, group)
+        await stepper._look()  # no proposal since the last read: the read serves
+        assert directory.reads["stage"] == 2
+
+    asyncio.run(scenario())

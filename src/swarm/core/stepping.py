@@ -230,3 +230,14 @@ def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int
         return False
     seen_epoch, seen = memory.peers_at_epoch
     return seen_epoch == epoch and seen == set(group) - {me}
+
+
+def unseen_in(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> frozenset[str]:
+    """The members of a proposed round for our epoch that our plan has not seen at it, where nothing else
+    in the proposal is amiss: a replica that announced itself since our last read of the stage, whose round
+    we would refuse, and then step without it (its samples dropped when it catches up), unless we read
+    the stage again before our plan decides."""
+    if proposed_epoch != epoch or me not in group or memory.suspects.keys() & set(group):
+        return frozenset()
+    seen_epoch, seen = memory.peers_at_epoch
+    return frozenset(group) - {me} - (seen if seen_epoch == epoch else frozenset())

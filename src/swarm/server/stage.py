@@ -14,7 +14,7 @@ import torch
 
 from swarm.config import ModelConfig, OptimConfig, ServerConfig
 from swarm.core import StageRate
-from swarm.core.stepping import PlanMemory, accept_proposal, worth_telling
+from swarm.core.stepping import PlanMemory, accept_proposal, unseen_in, worth_telling
 from swarm.model import build_stage, stage_boundary
 from swarm.server.checkpoints import CheckpointStore
 from swarm.server.records import StepRecord
@@ -98,6 +98,7 @@ class ServedStage:
         self.wake = asyncio.Event()  # the stage may be ready to step: look now
         self.plan = PlanMemory()  # what the step plan carries between looks
         self.proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began, accepted
+        self.asked_by_unseen = -math.inf  # (monotonic) when a round was proposed with replicas our plan had not seen
         self.round_epoch: int | None = None  # the epoch whose step round is running
         self.durable_epoch = 0  # the newest epoch that outlives this replica (see the `ledger` handler)
         self.lapsed = False  # the process stalled so long that its DHT record may have lapsed
@@ -131,6 +132,9 @@ class ServedStage:
         """A groupmate began the round for `epoch` with `group` (see swarm.averaging.allreduce): join it
         unless the step plan objects (`swarm.core.stepping.accept_proposal`), waking the step loop."""
         if not accept_proposal(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
+            if unseen_in(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
+                self.asked_by_unseen = time.monotonic()  # the step loop reads the stage before it decides
+                self.wake.set()
             return False
         self.proposal = (epoch, group)
         self.wake.set()

@@ -193,15 +193,19 @@ class Stepper:
         A replica alone in view reads every RENEW_PERIODS periods, as often as records are renewed: nothing
         is decided from others' records then; a newcomer that loads our state is known from its download
         (and read at every look until it is at our epoch), any other is seen within those periods, inside
-        the grace a replica gives others to show up before it steps alone."""
+        the grace a replica gives others to show up before it steps alone. A round proposed to us since our
+        last read, with replicas that read did not show, has the stage read again whatever the interval
+        (see `swarm.core.stepping.unseen_in`)."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
         near = ((others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
                  and not self._heard_from_all(now)) or bool(self.stage.handed_now()))
         every = LOOK_EVERY if near else self.net.announce_period * (1 if others else RENEW_PERIODS)
-        if now - self._records_read[0] >= every:
-            found, began = await self.directory.read_stages([self.stage.index], fresh=every / 2 if near else every)
+        asked = self.stage.asked_by_unseen > self._records_read[0]
+        if now - self._records_read[0] >= every or asked:
+            found, began = await self.directory.read_stages(
+                [self.stage.index], fresh=0.0 if asked else every / 2 if near else every)
             records = found[self.stage.index]
             listed = {r.peer_id for r in records}
             self._seen = {p for p in self._seen | listed if p in self.directory.expires and p != self.peer_id}
