@@ -30,6 +30,9 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   the servers' GPU defaults), its trainer a process of its own ("swarm") and inside the stage-0 server
   ("swarm+train"). Reference: the single process.
 
+Each run's line ends with the share of the machine's CPU time a virtual machine's host took for others
+while it ran (steal, from /proc/stat): where it differs between the runs of one scenario, so do their rates.
+
 Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
 against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
 the bootstrap peer and the launcher), read from /proc.
@@ -49,6 +52,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -237,22 +241,38 @@ def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | Non
             "swarm+train": swarm_run([*on_gpu, *HOSTED], steps, f"{run_dir}/swarm+train")}
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(stolen, all) CPU time of the machine so far, from /proc/stat's first line, in clock ticks."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is in user)
+
+
+def with_steal(run: Callable[[], dict]) -> dict:
+    """`run()`'s result with `steal`: the share of the machine's CPU time its host gave to other virtual
+    machines while it ran. On a shared host it moves from a few percent to a third within minutes, and every
+    process of a run loses it alike, so runs of one scenario compare best where they lost alike."""
+    stolen, total = cpu_jiffies()
+    result = run()
+    stolen_after, total_after = cpu_jiffies()
+    return {**result, "steal": (stolen_after - stolen) / max(1, total_after - total)}
+
+
 def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     cfg = load_config(overrides=overrides)
-    results = {"single": {"samples_per_second": baseline(cfg, steps)}}
+    results = {"single": with_steal(lambda: {"samples_per_second": baseline(cfg, steps)})}
     for name in ("gpipe", "1f1b"):
-        results[name] = torch_pipeline(overrides, PipelineRun(name, steps))
-    results["swarm"] = swarm_run(overrides, steps, f"{run_dir}/swarm")
-    results["swarm+train"] = swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train")
+        results[name] = with_steal(lambda name=name: torch_pipeline(overrides, PipelineRun(name, steps)))
+    results["swarm"] = with_steal(lambda: swarm_run(overrides, steps, f"{run_dir}/swarm"))
+    results["swarm+train"] = with_steal(lambda: swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train"))
     return results
 
 
 def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     return {
-        "1f1b 2x2": torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN,
-                                                              cpus=CPU_PER_WORKER)),
-        "swarm 2x2": swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"], steps,
-                               f"{run_dir}/swarm"),
+        "1f1b 2x2": with_steal(lambda: torch_pipeline(overrides, PipelineRun(
+            "1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN, cpus=CPU_PER_WORKER))),
+        "swarm 2x2": with_steal(lambda: swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"],
+                                                  steps, f"{run_dir}/swarm")),
     }
 
 
@@ -261,8 +281,9 @@ def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
                                                    cpus=CPU_PER_WORKER))
     return {
         "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
-        "swarm 2x2": swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1),
-        "swarm 2+1": swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps, f"{run_dir}/swarm-2+1"),
+        "swarm 2x2": with_steal(lambda: swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1)),
+        "swarm 2+1": with_steal(lambda: swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps,
+                                                  f"{run_dir}/swarm-2+1")),
     }
 
 
@@ -282,8 +303,9 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
         print(json.dumps({"scenario": scenario, "run": name, **r}), file=sys.stderr)
         loss = f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}" if "first_loss" in r else "-"
         vs_single = f"{r['vs_single']:.3f}" if r["vs_single"] is not None else "-"
+        steal = f"   steal {r['steal']:.0%}" if "steal" in r else ""
         print(f"{name:<12} {r['samples_per_second']:>10.2f} {r['gflops']:>8.2f} {vs_single:>10} "
-              f"{r['vs_ref'] or 0:>7.3f}   {loss}")
+              f"{r['vs_ref'] or 0:>7.3f}   {loss}{steal}")
         if r.get("undrained_samples_per_second"):
             undrained = r["undrained_samples_per_second"]
             r["undrained_vs_ref"] = undrained / reference if reference else None

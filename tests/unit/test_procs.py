@@ -51,3 +51,21 @@ def test_the_servers_compute_thread_carries_its_name() -> None:
     finally:
         gate.close()
     assert name.strip() == COMPUTE_THREAD
+
+
+def test_a_runs_steal_is_told_as_a_share_of_the_machines_time_while_it_ran() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import peers  # (a script beside the others, not a package)
+
+    stolen, total = peers.cpu_jiffies()
+    assert 0 <= stolen <= total
+
+    def run() -> dict:
+        start = time.thread_time()
+        while time.thread_time() - start < BURN:
+            pass
+        return {"samples_per_second": 1.0}
+
+    result = peers.with_steal(run)
+    assert result["samples_per_second"] == 1.0 and 0.0 <= result["steal"] < 1.0
+    assert peers.cpu_jiffies()[1] > total
