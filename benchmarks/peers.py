@@ -100,11 +100,14 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
     cfg = load_config(overrides=[*overrides, f"trainer.target_steps={steps + 1}", f'run_dir="{run_dir}"'])
     killed: list[float] = []
 
-    def follow(swarm: LocalSwarm, status: SwarmStatus) -> None:
+    def follow(swarm: LocalSwarm, status: SwarmStatus) -> bool:
+        """Kill the victim at its step; then the swarm is looked at as the reference run is (every look
+        reads the servers' DHT records, on their cores)."""
         if kill_stage is not None and not killed and status.min_epoch >= KILL_AT + 1:
             victim = swarm.servers(stage=kill_stage)[-1]
             victim.signal(signal.SIGKILL)
             killed.append(time.time())
+        return bool(killed)
 
     with CpuSampler() as cpu:
         summary = run_local(cfg, progress=False, on_status=follow if kill_stage is not None else None)

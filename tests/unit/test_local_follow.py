@@ -24,9 +24,10 @@ def record(pending: int) -> ServerRecord:
                         config_hash="h", model={"num_stages": 1}, optim={"mode": "sync"})
 
 
-def follow(tmp_path, monkeypatch, watching: bool) -> tuple[list[float], float]:
+def follow(tmp_path, monkeypatch, hook=None) -> tuple[list[float], float]:
     """Follow a swarm whose one trainer (a real process, ended by closing its stdin) trains through three
-    looks; the stages hold samples for two looks after it ended. The times of the looks, and the trainer's end."""
+    looks, watched by `hook` (an `on_status`); the stages hold samples for two looks after it ended. The
+    times of the looks, and the trainer's end."""
     monkeypatch.setattr(local, "FOLLOW_EVERY", FOLLOW_EVERY)
     monkeypatch.setattr(local, "TICK", TICK)
     swarm = LocalSwarm(load_config(overrides=[f'run_dir="{tmp_path}"', "model.num_stages=1"]))
@@ -45,7 +46,7 @@ def follow(tmp_path, monkeypatch, watching: bool) -> tuple[list[float], float]:
 
     monkeypatch.setattr(local, "read_status", read_status)
     try:
-        status = asyncio.run(swarm._follow(None, progress=False, on_status=(lambda s: None) if watching else None))
+        status = asyncio.run(swarm._follow(None, progress=False, on_status=hook))
     finally:
         trainer.kill()
         trainer.wait()
@@ -54,7 +55,7 @@ def follow(tmp_path, monkeypatch, watching: bool) -> tuple[list[float], float]:
 
 
 def test_a_plain_run_is_looked_at_seldom_while_it_trains_and_often_after(tmp_path, monkeypatch) -> None:
-    looks, ended = follow(tmp_path, monkeypatch, watching=False)
+    looks, ended = follow(tmp_path, monkeypatch)
     training = [b - a for a, b in zip(looks, looks[1:], strict=False) if b <= ended]
     after = [b - a for a, b in zip(looks, looks[1:], strict=False) if b > ended]
     assert len(training) == 2 and min(training) >= FOLLOW_EVERY
@@ -62,8 +63,23 @@ def test_a_plain_run_is_looked_at_seldom_while_it_trains_and_often_after(tmp_pat
 
 
 def test_a_watched_run_is_looked_at_every_tick(tmp_path, monkeypatch) -> None:
-    looks, _ = follow(tmp_path, monkeypatch, watching=True)
+    looks, _ = follow(tmp_path, monkeypatch, lambda status: None)
     assert max(b - a for a, b in zip(looks, looks[1:], strict=False)) < FOLLOW_EVERY / 2
+
+
+def test_a_run_whose_watcher_is_done_is_looked_at_as_a_plain_one(tmp_path, monkeypatch) -> None:
+    """A benchmark watches for the step at which it kills a peer, then measures the swarm's rate: from then
+    on its looks must take no more from the servers than a plain run's."""
+    seen: list[SwarmStatus] = []
+
+    def kill_once(status: SwarmStatus) -> bool:
+        seen.append(status)
+        return True  # done: the peer is killed
+
+    looks, ended = follow(tmp_path, monkeypatch, kill_once)
+    training = [b - a for a, b in zip(looks, looks[1:], strict=False) if b <= ended]
+    assert len(seen) == 1
+    assert len(training) == 2 and min(training) >= FOLLOW_EVERY
 
 
 def test_a_failed_trainer_ends_the_follow_at_once(tmp_path, monkeypatch) -> None:

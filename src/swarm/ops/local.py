@@ -275,9 +275,10 @@ class LocalSwarm:
     # ---- watching the run --------------------------------------------------------------------
 
     def wait_until_done(
-        self, progress: bool = True, on_status: Callable[[SwarmStatus], None] | None = None
+        self, progress: bool = True, on_status: Callable[[SwarmStatus], bool | None] | None = None
     ) -> SwarmStatus:
-        """Block until the run is over; `on_status` sees every poll (tests inject faults from it)."""
+        """Block until the run is over; `on_status` sees every poll (tests inject faults from it) until it
+        returns true: the run is then looked at as a plain one is, less often."""
         return asyncio.run(self._watch(progress, on_status))
 
     def _directory(self) -> Directory:
@@ -303,12 +304,12 @@ class LocalSwarm:
                                    + ", ".join(p.name for p in launched if p.name not in up))
             await asyncio.sleep(0.5)
 
-    async def _watch(self, progress: bool, on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
+    async def _watch(self, progress: bool, on_status: Callable[[SwarmStatus], bool | None] | None) -> SwarmStatus:
         """Follow the run until every trainer finished and every stage flushed its last samples."""
         return await self._follow(self._directory(), progress, on_status)
 
     async def _follow(self, directory: Directory, progress: bool,
-                      on_status: Callable[[SwarmStatus], None] | None) -> SwarmStatus:
+                      on_status: Callable[[SwarmStatus], bool | None] | None) -> SwarmStatus:
         target = self.cfg.trainer.target_steps
         bar = tqdm(total=target, desc="steps", unit="step", disable=not progress, dynamic_ncols=True)
         deadline = time.monotonic() + self.cfg.local.timeout
@@ -324,8 +325,8 @@ class LocalSwarm:
                     continue
                 looked = time.monotonic()
                 status = await read_status(directory, self.cfg.model.num_stages)
-                if on_status is not None:
-                    on_status(status)
+                if on_status is not None and on_status(status):
+                    on_status = None
                 bar.update(max(0, min(status.min_epoch, target) - bar.n))
                 rate = status.trainer_samples / max(time.monotonic() - started, 1e-9)
                 bar.set_postfix_str(

@@ -21,9 +21,9 @@ def _interrupt(signum, frame) -> None:
 
 
 def run_local(cfg: SwarmConfig, progress: bool = True,
-              on_status: Callable[[LocalSwarm, SwarmStatus], None] | None = None) -> dict[str, Any]:
+              on_status: Callable[[LocalSwarm, SwarmStatus], bool | None] | None = None) -> dict[str, Any]:
     """Run a local swarm to its end and report; `on_status` sees the swarm at every look (a benchmark
-    ends a peer from it)."""
+    ends a peer from it) until it returns true (see `LocalSwarm.wait_until_done`)."""
     m, loc = cfg.model, cfg.local
     layout = start_layout(cfg)
     log.info(
