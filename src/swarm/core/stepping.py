@@ -226,7 +226,7 @@ def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int
     replica left out that we know is at this epoch (its samples would be dropped later), and no member we
     have not seen at this epoch in the stage's records (a peer outside the stage must not get in). Until
     our plan has looked at this epoch, a proposal waits: the proposer retries."""
-    if proposed_epoch != epoch or me not in group or memory.suspects.keys() & set(group):
+    if not _for_us(memory, me, epoch, proposed_epoch, group):
         return False
     seen_epoch, seen = memory.peers_at_epoch
     return seen_epoch == epoch and seen == set(group) - {me}
@@ -237,7 +237,12 @@ def unseen_in(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, grou
     in the proposal is amiss: a replica that announced itself since our last read of the stage, whose round
     we would refuse, and then step without it (its samples dropped when it catches up), unless we read
     the stage again before our plan decides."""
-    if proposed_epoch != epoch or me not in group or memory.suspects.keys() & set(group):
+    if not _for_us(memory, me, epoch, proposed_epoch, group):
         return frozenset()
     seen_epoch, seen = memory.peers_at_epoch
     return frozenset(group) - {me} - (seen if seen_epoch == epoch else frozenset())
+
+
+def _for_us(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> bool:
+    """A proposed round for our epoch, with us in it and none of our suspects."""
+    return proposed_epoch == epoch and me in group and not memory.suspects.keys() & set(group)
