@@ -30,8 +30,9 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   the servers' GPU defaults), its trainer a process of its own ("swarm") and inside the stage-0 server
   ("swarm+train"). Reference: the single process.
 
-Each run's line ends with the share of the machine's CPU time a virtual machine's host took for others
-while it ran (steal, from /proc/stat): where it differs between the runs of one scenario, so do their rates.
+Each run's line ends with what the machine did meanwhile: the share of its CPU time a virtual machine's host
+took for others (steal, from /proc/stat), and one core's matmul rate just before and just after the run. Where
+either differs between the runs of one scenario, so do their rates.
 
 Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
 against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
@@ -250,31 +251,55 @@ def cpu_jiffies() -> tuple[int, int]:
     return fields[7], sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is in user)
 
 
-def with_steal(run: Callable[[], dict]) -> dict:
-    """`run()`'s result with `steal`: the share of the machine's CPU time its host gave to other virtual
-    machines while it ran. On a shared host it moves from a few percent to a third within minutes, and every
-    process of a run loses it alike, so runs of one scenario compare best where they lost alike."""
+PROBE_SIZE = 512  # a square fp32 matmul: 0.27 GFLOP, a few ms on one core
+
+
+def core_gflops(seconds: float = 2.0) -> float:
+    """One core's fp32 matmul rate now, in GFLOP/s over `seconds` on one thread. A shared host moves it
+    by a fifth within minutes, with no steal to show for it (other guests' load on the caches and memory,
+    the host's clock): measured before and after each run, it says whether the machine stayed the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(PROBE_SIZE, PROBE_SIZE), torch.randn(PROBE_SIZE, PROBE_SIZE)
+        torch.mm(a, b)
+        done, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            torch.mm(a, b)
+            done += 1
+        return done * 2 * PROBE_SIZE**3 / elapsed / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+def with_machine(run: Callable[[], dict], probe_seconds: float = 2.0) -> dict:
+    """`run()`'s result with what the machine did meanwhile: `steal`, the share of its CPU time the host of a
+    virtual machine gave to other guests (from a few percent to a third within minutes), and `core_gflops`,
+    one core's speed just before and just after (`core_gflops()`). Every process of a run loses alike, so
+    runs of one scenario compare best where the machine was the same for them."""
+    before = core_gflops(probe_seconds)
     stolen, total = cpu_jiffies()
     result = run()
     stolen_after, total_after = cpu_jiffies()
-    return {**result, "steal": (stolen_after - stolen) / max(1, total_after - total)}
+    return {**result, "steal": (stolen_after - stolen) / max(1, total_after - total),
+            "core_gflops": (before, core_gflops(probe_seconds))}
 
 
 def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     cfg = load_config(overrides=overrides)
-    results = {"single": with_steal(lambda: {"samples_per_second": baseline(cfg, steps)})}
+    results = {"single": with_machine(lambda: {"samples_per_second": baseline(cfg, steps)})}
     for name in ("gpipe", "1f1b"):
-        results[name] = with_steal(lambda name=name: torch_pipeline(overrides, PipelineRun(name, steps)))
-    results["swarm"] = with_steal(lambda: swarm_run(overrides, steps, f"{run_dir}/swarm"))
-    results["swarm+train"] = with_steal(lambda: swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train"))
+        results[name] = with_machine(lambda name=name: torch_pipeline(overrides, PipelineRun(name, steps)))
+    results["swarm"] = with_machine(lambda: swarm_run(overrides, steps, f"{run_dir}/swarm"))
+    results["swarm+train"] = with_machine(lambda: swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train"))
     return results
 
 
 def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
     return {
-        "1f1b 2x2": with_steal(lambda: torch_pipeline(overrides, PipelineRun(
+        "1f1b 2x2": with_machine(lambda: torch_pipeline(overrides, PipelineRun(
             "1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN, cpus=CPU_PER_WORKER))),
-        "swarm 2x2": with_steal(lambda: swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"],
+        "swarm 2x2": with_machine(lambda: swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"],
                                                   steps, f"{run_dir}/swarm")),
     }
 
@@ -284,8 +309,8 @@ def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
                                                    cpus=CPU_PER_WORKER))
     return {
         "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
-        "swarm 2x2": with_steal(lambda: swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1)),
-        "swarm 2+1": with_steal(lambda: swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps,
+        "swarm 2x2": with_machine(lambda: swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1)),
+        "swarm 2+1": with_machine(lambda: swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps,
                                                   f"{run_dir}/swarm-2+1")),
     }
 
@@ -307,6 +332,8 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
         loss = f"{r['first_loss']:.3f} -> {r['final_loss']:.3f}" if "first_loss" in r else "-"
         vs_single = f"{r['vs_single']:.3f}" if r["vs_single"] is not None else "-"
         steal = f"   steal {r['steal']:.0%}" if "steal" in r else ""
+        if "core_gflops" in r:
+            steal += "   one core {:.0f} -> {:.0f} GFLOP/s".format(*r["core_gflops"])
         print(f"{name:<12} {r['samples_per_second']:>10.2f} {r['gflops']:>8.2f} {vs_single:>10} "
               f"{r['vs_ref'] or 0:>7.3f}   {loss}{steal}")
         if r.get("undrained_samples_per_second"):

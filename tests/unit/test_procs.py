@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from swarm.ops.procs import cpu_split
 from swarm.server.gate import COMPUTE_THREAD, ComputeGate, name_os_thread
@@ -53,7 +54,7 @@ def test_the_servers_compute_thread_carries_its_name() -> None:
     assert name.strip() == COMPUTE_THREAD
 
 
-def test_a_runs_steal_is_told_as_a_share_of_the_machines_time_while_it_ran() -> None:
+def test_a_run_is_told_with_the_machines_steal_and_one_cores_speed_before_and_after() -> None:
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import peers  # (a script beside the others, not a package)
 
@@ -66,6 +67,13 @@ def test_a_runs_steal_is_told_as_a_share_of_the_machines_time_while_it_ran() -> 
             pass
         return {"samples_per_second": 1.0}
 
-    result = peers.with_steal(run)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = peers.with_machine(run, probe_seconds=0.2)
+        assert torch.get_num_threads() == 2  # (the probe runs on one thread, then gives the others back)
+    finally:
+        torch.set_num_threads(threads)
     assert result["samples_per_second"] == 1.0 and 0.0 <= result["steal"] < 1.0
     assert peers.cpu_jiffies()[1] > total
+    assert all(speed > 0 for speed in result["core_gflops"]) and len(result["core_gflops"]) == 2
