@@ -24,12 +24,13 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import hivemind
 from hivemind.p2p import P2P
 
 from swarm.config import NetConfig
+from swarm.net.dhtpipe import CallPipe
 from swarm.net.nearest import NearestStores
 
 if TYPE_CHECKING:
@@ -66,12 +67,45 @@ def _stop_with_parent() -> None:
 
 class TiedDHT(hivemind.DHT):
     """hivemind's DHT process, in a process group of its own and killed when the peer dies. Its stores go
-    straight to the nodes last found nearest their key (`swarm.net.nearest`)."""
+    straight to the nodes last found nearest their key (`swarm.net.nearest`); the peer's calls to it are
+    answered over a pipe of their own (`swarm.net.dhtpipe`)."""
 
     identity: Ed25519PrivateKey | None = None  # the peer's key, kept by swarm.net.node.start_dht: it signs receipts
     _nearest: NearestStores | None = None  # (in the DHT's process, once its node runs)
+    _calls: CallPipe | None = None
+
+    def start(self) -> None:
+        self._calls = CallPipe()
+        super().start()
+        self._calls.started()
+
+    def get(self, key, latest: bool = False, return_future: bool = False, **kwargs):
+        if not self._piped():
+            return super().get(key, latest, return_future, **kwargs)
+        return self._call("_get", dict(key=key, latest=latest, **kwargs), return_future)
+
+    def store(self, key, value, expiration_time: float, subkey=None, return_future: bool = False, **kwargs):
+        if not self._piped():
+            return super().store(key, value, expiration_time, subkey, return_future, **kwargs)
+        return self._call("_store", dict(key=key, value=value, expiration_time=expiration_time, subkey=subkey,
+                                         **kwargs), return_future)
+
+    def run_coroutine(self, coro, return_future: bool = False):
+        if not self._piped():
+            return super().run_coroutine(coro, return_future)
+        return self._call("_run_coroutine", dict(coro=coro), return_future)
+
+    def _piped(self) -> bool:
+        """Whether this call can take the pipe: made in the process that started the DHT, which reads it."""
+        return self._calls is not None and self._calls.owner == os.getpid() and self._calls.reading
+
+    def _call(self, method: str, kwargs: dict, return_future: bool) -> Any:
+        call, reply = self._calls.open()
+        self._outer_pipe.send((method, [], {**kwargs, "future": reply}))
+        return call if return_future else call.result()
 
     def run(self) -> None:
+        self._calls.serve()
         parent = os.getppid()
         os.setpgid(0, 0)
         die_with_parent(signal.SIGKILL)
