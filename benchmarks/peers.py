@@ -300,7 +300,7 @@ def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]
         "1f1b 2x2": with_machine(lambda: torch_pipeline(overrides, PipelineRun(
             "1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN, cpus=CPU_PER_WORKER))),
         "swarm 2x2": with_machine(lambda: swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"],
-                                                  steps, f"{run_dir}/swarm")),
+                                                    steps, f"{run_dir}/swarm")),
     }
 
 
@@ -311,7 +311,7 @@ def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
         "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
         "swarm 2x2": with_machine(lambda: swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1)),
         "swarm 2+1": with_machine(lambda: swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps,
-                                                  f"{run_dir}/swarm-2+1")),
+                                                    f"{run_dir}/swarm-2+1")),
     }
 
 

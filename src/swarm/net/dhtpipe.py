@@ -69,7 +69,8 @@ class Reply:
 
 
 class CallPipe:
-    """Made before the DHT process is started; `serve` runs in that process, `call` in the peer's."""
+    """Made before the DHT process is started; `serve` runs in that process, `open` and the reader in the
+    peer's."""
 
     def __init__(self) -> None:
         self._receiving, self._sending = mp.Pipe(duplex=False)
@@ -114,6 +115,7 @@ class CallPipe:
                 call = self._pending.pop(number, None)
             if call is not None:
                 _settle(call, ok, payload)
+        self._receiving.close()  # (a process may start many DHTs in its life: tests do)
         with self._lock:
             unanswered, self._pending = list(self._pending.values()), {}
         for call in unanswered:
