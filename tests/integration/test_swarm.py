@@ -142,7 +142,9 @@ def test_trainers_inside_servers_train_call_their_own_server_directly_and_finish
     that trains (the stage-1 one): its trainer winds down as a trainer of its own would (its microbatches
     under way finish, their gradients settle), the server leaves, the process exits 0, and the other
     servers and trainer carry the run to its end, every microbatch exactly once."""
-    cfg = small_config(tmp_path, "local.trainers_in_servers=true", "local.layout=[1, 2]", "trainer.target_steps=10")
+    # stage 0's lone replica folds its first seconds into one step and its next steps' gradient norms spike
+    # (1-2 orders of magnitude, clipped): runs that end at 10 steps ended at a loss of 3.4-4.8, 14 leave margin
+    cfg = small_config(tmp_path, "local.trainers_in_servers=true", "local.layout=[1, 2]", "trainer.target_steps=14")
     swarm = LocalSwarm(cfg)
     leaving = []
 
