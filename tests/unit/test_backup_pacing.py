@@ -23,7 +23,7 @@ class Stages:
     def __init__(self) -> None:
         self.epochs = {0: 0, 1: 0}
 
-    async def stages(self, n: int) -> dict[int, list[ServerRecord]]:
+    async def stages(self, n: int, fresh: float = 0.0) -> dict[int, list[ServerRecord]]:
         return {k: [ServerRecord(f"s{k}", k, 1.0, 0, self.epochs[k], 0, "hash", {})] for k in range(n)}
 
     async def vouch(self, *args) -> bool:

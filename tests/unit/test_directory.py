@@ -11,6 +11,7 @@ from hivemind.utils import ValueWithExpiration
 from swarm.net import directory as directory_module
 from swarm.net.directory import Directory
 from swarm.net.identity import peer_id_of
+from swarm.server.moving import seats
 from swarm.wire.records import ServerRecord, TrainerRecord, stage_key, trainers_key
 
 
@@ -191,5 +192,31 @@ def test_a_recent_read_of_the_trainers_serves_a_reader_that_allows_it(monkeypatc
         await directory.trainers(fresh=5.0)
         assert dht.gets == 3
         assert directory.ops["trainers"] == 3
+
+    asyncio.run(main())
+
+
+def test_a_look_at_the_layout_takes_a_read_of_the_stages_made_within_its_period(monkeypatch) -> None:
+    """A server's mover and its backup keeper each look at every stage once a period: a look takes a read
+    this peer made within `fresh` seconds (the other's, a trainer's view) rather than asking every DHT node
+    again; the mover's second look, before it moves, reads anew (`fresh` 0), as does any look once the
+    last read is older than `fresh`."""
+    now = [50.0]
+    monkeypatch.setattr(directory_module.time, "monotonic", lambda: now[0])
+    values, peers = _stage_values(directory_module.get_dht_time())
+    dht = _SearchingDHT(values)
+    directory = Directory(dht, "run", record_ttl=6.0)
+
+    async def main() -> None:
+        layout = await directory.stages(2, fresh=5.0)  # (the backup keeper's look)
+        assert [r.peer_id for rs in layout.values() for r in rs] == peers and dht.searches == 1
+        now[0] += 3.0
+        assert [s.peer for s in await seats(directory, 2, "hash", fresh=5.0)] == peers
+        assert dht.searches == 1
+        await seats(directory, 2, "hash", fresh=0.0)
+        assert dht.searches == 2
+        now[0] += 5.5
+        await directory.stages(2, fresh=5.0)
+        assert dht.searches == 3 and dht.gets == 0
 
     asyncio.run(main())

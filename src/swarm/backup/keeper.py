@@ -82,9 +82,11 @@ class BackupKeeper:
             announcing.cancel()
 
     async def look(self) -> None:
-        """Refresh the copies that are due, drop those no longer ours to hold."""
+        """Refresh the copies that are due, drop those no longer ours to hold. The stages are taken as this
+        peer read them within the period, if it did (its mover's look, its trainer's view): a copy is then
+        refreshed up to a period later, and the DHT nodes holding the keys serve one read fewer."""
         layout = {k: [r for r in records if r.config_hash == self.hash]
-                  for k, records in (await self.directory.stages(self.num_stages)).items()}
+                  for k, records in (await self.directory.stages(self.num_stages, fresh=self.cfg.period)).items()}
         for records in layout.values():
             for r in records:
                 note_fresh_start(self.fresh_starts, r)

@@ -76,10 +76,11 @@ class Directory:
         """Live servers of one stage, malformed and withdrawn entries dropped."""
         return (await self.read_stages([stage]))[0][stage]
 
-    async def stages(self, num_stages: int) -> dict[int, list[ServerRecord]]:
+    async def stages(self, num_stages: int, fresh: float = 0.0) -> dict[int, list[ServerRecord]]:
         """All stages, read in one search of the DHT: each node asked is asked for every stage's key at once,
-        and a node that does not answer delays the view once, not once per stage."""
-        return (await self.read_stages(range(num_stages)))[0]
+        and a node that does not answer delays the view once, not once per stage. A stage read by this peer
+        within `fresh` seconds is taken as read (see `read_stages`)."""
+        return (await self.read_stages(range(num_stages), fresh))[0]
 
     async def read_stages(self, stages: Iterable[int], fresh: float = 0.0
                           ) -> tuple[dict[int, list[ServerRecord]], float]:

@@ -21,9 +21,10 @@ from swarm.server.stage import ServedStage
 log = logging.getLogger("swarm.server")
 
 
-async def seats(directory: Directory, num_stages: int, config_hash: str) -> list[Seat]:
-    """Every live server of the run (with our settings) as the rebalancing policy sees it."""
-    stages = await directory.stages(num_stages)
+async def seats(directory: Directory, num_stages: int, config_hash: str, fresh: float = 0.0) -> list[Seat]:
+    """Every live server of the run (with our settings) as the rebalancing policy sees it, from a read of
+    this peer's up to `fresh` seconds old."""
+    stages = await directory.stages(num_stages, fresh)
     return [Seat(r.peer_id, r.stage, r.capacity, r.tenure, r.moving)
             for records in stages.values() for r in records if r.config_hash == config_hash]
 
@@ -52,14 +53,15 @@ class Mover:
         self.rng = rng
         self.moved = asyncio.Event()  # set once this server drained its work and is ready to move
 
-    async def _planned(self) -> tuple[Move, dict[int, float]] | None:
-        """The move the policy makes now if it is this server's, with the stages' capacities: none once
-        the trainers are done (the run is ending; a read of the trainers up to a period old, the step
-        loop's, tells) or while this server's own record is not in view (the view is then incomplete)."""
+    async def _planned(self, fresh: float) -> tuple[Move, dict[int, float]] | None:
+        """The move the policy makes now if it is this server's, with the stages' capacities, from a view
+        of the stages up to `fresh` seconds old: none once the trainers are done (the run is ending; a read
+        of the trainers up to a period old, the step loop's, tells) or while this server's own record is not
+        in view (the view is then incomplete)."""
         trainers = await self.directory.trainers(fresh=self.rc.period)
         if not trainers or all(t.done for t in trainers):
             return None
-        found = await seats(self.directory, self.num_stages, self.hash)
+        found = await seats(self.directory, self.num_stages, self.hash, fresh)
         if self.peer_id not in {seat.peer for seat in found}:
             return None
         move = plan_for_swarm(found, self.num_stages, self.rc.min_gain, self.rc.cooldown)
@@ -69,14 +71,17 @@ class Mover:
 
     async def loop(self) -> None:
         """Look at the swarm's layout every period; when the policy names this server, look again after a
-        random delay (another server may have acted meanwhile), then drain and move."""
+        random delay (another server may have acted meanwhile), then drain and move. The periodic look
+        takes a read of the stages this peer made within the period (its backup keeper's, its trainer's
+        view), if any: each read is served by every DHT node holding the keys, CPU taken from every host's
+        compute. The second look reads anew."""
         while True:
             await asyncio.sleep(self.rc.period)
             try:
-                if await self._planned() is None:
+                if await self._planned(fresh=self.rc.period) is None:
                     continue
                 await asyncio.sleep(self.rng.uniform(0.0, self.rc.jitter))
-                planned = await self._planned()
+                planned = await self._planned(fresh=0.0)
                 if planned is not None and await self._drain_for(*planned):
                     self.moved.set()
                     return
