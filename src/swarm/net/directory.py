@@ -87,16 +87,19 @@ class Directory:
         """Live servers of each of `stages`, and the DHT time the reads that found them began (the earliest,
         for `lapsed_in`). Readers of one peer that each read stages periodically (a trainer's view and the
         step loop of the server it runs in) share reads where their needs overlap, rather than each asking
-        every DHT node holding the keys: a stage read within `fresh` seconds, the read done or under way, is
-        not read again. A failed read is not shared."""
+        every DHT node holding the keys: where each of `stages` was read within `fresh` seconds (the read done
+        or under way), none is read again. Otherwise one search reads them all: it asks each node for every key
+        at once, for about what the stale ones alone would cost, and leaves a fresher read of each to share
+        (a backup keeper's look at every stage then serves the step loop's next read of its own). A failed
+        read is not shared."""
         keys = {k: stage_key(self.run_id, k) for k in stages}
         now = time.monotonic()
         reads = {k: self._reusable(key, fresh, now) for k, key in keys.items()}
-        if stale := {k: key for k, key in keys.items() if reads[k] is None}:
+        if any(read is None for read in reads.values()):
             self.ops["stages"] += 1
             began = self.now()
-            search = asyncio.ensure_future(self._search(list(stale.values())))
-            for k, key in stale.items():
+            search = asyncio.ensure_future(self._search(list(keys.values())))
+            for k, key in keys.items():
                 read = asyncio.ensure_future(_value_of(search, key))
                 read.add_done_callback(_retrieved)
                 reads[k] = (began, read)
