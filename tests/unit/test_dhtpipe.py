@@ -11,7 +11,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from swarm.config import load_config
-from swarm.net.dhtpipe import DHTGone
+from swarm.net.dhtpipe import CallPipe, DHTGone
 from swarm.net.node import start_dht
 
 
@@ -70,3 +70,15 @@ def test_a_call_left_unanswered_by_a_dead_dht_process_fails_instead_of_waiting_f
         asyncio.run(scenario())
     finally:
         dht.join(10)
+
+
+def test_a_call_opened_once_the_dht_process_has_ended_fails_at_once() -> None:
+    """A call that raced the DHT process's end (its reader found the pipe closed and failed what was
+    pending just before this call was opened) fails at once rather than waiting for an answer that
+    cannot come."""
+    calls = CallPipe()
+    calls.started()  # (no DHT process holds the sending end: the reader finds the pipe closed at once)
+    calls._reader.join(timeout=5)
+    call, _ = calls.open()
+    with pytest.raises(DHTGone):
+        call.result(timeout=5)

@@ -79,6 +79,7 @@ class CallPipe:
         self._numbers = itertools.count()
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
+        self._gone = False  # the DHT process ended: the reader has failed what was pending
 
     def serve(self) -> None:
         """In the DHT process, before it takes calls: answers go out through the inherited end."""
@@ -98,11 +99,15 @@ class CallPipe:
         self._reader.start()
 
     def open(self) -> tuple[DHTCall, Reply]:
-        """A new call: the future the caller waits on, and what travels to the DHT process with it."""
+        """A new call: the future the caller waits on, and what travels to the DHT process with it. Once the
+        DHT process is gone, the call fails at once (no answer could come for it)."""
         call = DHTCall()
         with self._lock:
             number = next(self._numbers)
-            self._pending[number] = call
+            if not self._gone:
+                self._pending[number] = call
+        if self._gone:
+            _settle(call, False, DHTGone("the DHT process had ended"))
         return call, Reply(number)
 
     def _read(self) -> None:
@@ -117,7 +122,7 @@ class CallPipe:
                 _settle(call, ok, payload)
         self._receiving.close()  # (a process may start many DHTs in its life: tests do)
         with self._lock:
-            unanswered, self._pending = list(self._pending.values()), {}
+            unanswered, self._pending, self._gone = list(self._pending.values()), {}, True
         for call in unanswered:
             _settle(call, False, DHTGone("the DHT process ended before answering"))
 
