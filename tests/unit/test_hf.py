@@ -38,6 +38,7 @@ from swarm.model import ComposedModel, build_stage, load_stages
 from swarm.model.hf import build_stages
 from swarm.ops.export import ExportError, StageState, export_model, write_hf, write_plain
 from swarm.server.checkpoints import CheckpointStore
+from swarm.server.state_io import StateLayout
 
 SEQ = 16
 
@@ -152,6 +153,18 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path: Path) -> None:
         assert torch.equal(value, model.state_dict()[name]), name
     with pytest.raises(ConfigError, match="stage0.safetensors is missing"):
         build_stage(sharded, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_stage_layout_built_without_weights_is_the_one_its_replicas_check_states_against(
+        tmp_path: Path, family: str) -> None:
+    """A backup holder of a stage it does not serve checks a copy against the stage's layout, built on the
+    meta device without reading the pretrained weights: the same names, shapes, dtypes and trainable
+    parameters as the stage a replica builds."""
+    (tiny_llama if family == "llama" else tiny_gpt2)(tmp_path)
+    cfg = hf_cfg(tmp_path, num_stages=3)
+    for k in range(3):
+        assert StateLayout.of_stage(cfg, k) == StateLayout.of(build_stage(cfg, k))
 
 
 def test_config_json_fills_the_model_fields(tmp_path: Path) -> None:

@@ -5,8 +5,9 @@ A holder pulls: it reads the swarm's layout from the DHT, works out which stages
 hashing, stragglers last: `swarm.core.backups`), and downloads a stage's state from its most advanced replica once the
 stage is `every` steps past its copy, over the same streamed, exact `state` call a newcomer uses; like a
 newcomer, it keeps the state only where the stage's other replicas vouch for its digest
-(`swarm.core.vouching`). The stage's step loop never waits for it: the replica lends its tensors to the
-download instead of copying them. Copies live in the holder's memory, announced in the DHT
+(`swarm.core.vouching`) and the tensors it got are what that digest and the stage's layout say
+(`swarm.server.state_io.check_state`). The stage's step loop never waits for it: the replica lends its
+tensors to the download instead of copying them. Copies live in the holder's memory, announced in the DHT
 (`BackupRecord`) and served by the `backup` call to a server that enters a stage no replica is left of.
 
 The holder also notes every fresh start it sees in the layout (a stage an operator restarted from its
@@ -25,11 +26,12 @@ from typing import Any
 
 import torch
 
-from swarm.config import BackupConfig, NetConfig
+from swarm.config import BackupConfig, ModelConfig, NetConfig
 from swarm.core.backups import may_drop, needs_refresh, pause_after, stages_to_hold, stragglers
 from swarm.net.directory import Directory, note_fresh_start, short
 from swarm.net.protocol import Tagged
 from swarm.net.transport import CallFailed, StageClient
+from swarm.server.state_io import StateLayout, check_state
 from swarm.wire.records import BackupRecord, ServerRecord
 from swarm.wire.validate import Unavailable
 
@@ -53,12 +55,13 @@ class Copy:
 
 
 class BackupKeeper:
-    def __init__(self, me: str, config_hash: str, num_stages: int, cfg: BackupConfig, net: NetConfig,
+    def __init__(self, me: str, config_hash: str, model: ModelConfig, cfg: BackupConfig, net: NetConfig,
                  client: StageClient, directory: Directory, own_stage: Callable[[], int | None],
                  every_stage: bool = False):
         """`own_stage`: the stage this peer serves now (None: none); `every_stage`: hold a copy of every
         stage (a `swarm backup` peer) rather than those the ranking gives this server."""
-        self.me, self.hash, self.num_stages = me, config_hash, num_stages
+        self.me, self.hash, self.model, self.num_stages = me, config_hash, model, model.num_stages
+        self.layouts: dict[int, StateLayout] = {}  # (built as first needed)
         self.cfg, self.ttl = cfg, net.record_ttl + 2 * cfg.period
         self.announce_period = net.announce_period
         self.client, self.directory = client, directory
@@ -132,6 +135,11 @@ class BackupKeeper:
                                               self.announce_period):
                 self.counters["unvouched"] += 1  # no copy to restore the stage from
                 continue
+            problem = await asyncio.to_thread(self._problem, stage, meta, tensors)
+            if problem:
+                self.counters["unusable"] += 1
+                log.warning("copy of stage %d from %s refused: %s", stage, short(source.peer_id), problem)
+                continue
             old = self.copies.get(stage)
             copy = Copy(meta, tensors, max(source.epoch, int(meta["epoch"])), source.peer_id)
             budget = self.cfg.max_mb
@@ -150,6 +158,19 @@ class BackupKeeper:
                      copy.megabytes, short(source.peer_id), took, f"; was epoch {old.epoch}" if old else "")
             await self._announce(stage, copy)
             return
+
+    def _problem(self, stage: int, meta: dict[str, Any], tensors: list[torch.Tensor]) -> str | None:
+        """What unfits a vouched-for state to be kept (None: nothing), checked as a replica loading it checks
+        it. A source can announce its stage's honest digest and serve other tensors: caught here, a copy
+        like that is refused while the stage's replicas can still serve another, where kept it would be
+        found out only once they had all died and it was the copy the stage came back from."""
+        if stage not in self.layouts:
+            self.layouts[stage] = StateLayout.of_stage(self.model, stage)
+        try:
+            check_state(self.layouts[stage], meta, tensors)
+        except ValueError as e:
+            return str(e)
+        return None
 
     async def _announce_loop(self) -> None:
         while True:

@@ -57,7 +57,7 @@ async def _serve(cfg: SwarmConfig) -> None:
     on_stop_signals(loop, stop.set, STOP_MARGIN, "backup peer")
     traffic = Traffic()
     peer = await join(cfg.net, cfg.wire, traffic, serving=True)
-    keeper = BackupKeeper(peer.peer_id, config_hash(cfg), cfg.model.num_stages, cfg.backup, cfg.net,
+    keeper = BackupKeeper(peer.peer_id, config_hash(cfg), cfg.model, cfg.backup, cfg.net,
                           peer.client, peer.directory, lambda: None, every_stage=True)
     started = time.time()
     try:

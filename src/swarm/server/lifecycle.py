@@ -137,7 +137,7 @@ class StageServer:
         self.servicer = StageServicer(self.handlers, self.peer.faults, cfg.wire.policy(), self.traffic, half_rtt,
                                       self.peer.secret, device=resolve(torch.device(cfg.server.device)))
         await self.servicer.add_p2p_handlers(p2p)
-        self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model.num_stages, cfg.backup, cfg.net,
+        self.keeper = BackupKeeper(self.peer.peer_id, self.hash, cfg.model, cfg.backup, cfg.net,
                                    self.peer.client, self.peer.directory, self._serving_stage)
         self.handlers.backups = self.keeper
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))

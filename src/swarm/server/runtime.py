@@ -41,7 +41,7 @@ from swarm.server.graphs import REPLACED, KeptGraphs
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
-from swarm.server.state_io import Lender, export_state, import_state, unshare
+from swarm.server.state_io import Lender, StateLayout, export_state, import_state, unshare
 from swarm.server.weights_hash import digest
 from swarm.wire.codecs import Policy, on_host
 
@@ -66,6 +66,7 @@ class StageRuntime:
         self.optim_cfg = optim
         self.asynchronous = optim.mode == "async"
         self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        self.layout = StateLayout.of(self.module)  # what a state loaded here must hold
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = stage_optimizer(self.params, optim)
         self.autocast_dtype = autocast_dtype(autocast, self.device)

@@ -1,16 +1,19 @@
-"""A stage's state as it travels (to a newcomer, to a replica catching up) and goes to disk: its
-parameters, buffers and optimizer state flattened into a list of tensors with a small description, and
-restored from one, checked in full first (a parameter checksum, counts and shapes).
+"""A stage's state as it travels (to a newcomer, to a replica catching up, to a backup holder) and goes to
+disk: its parameters, buffers and optimizer state flattened into a list of tensors with a small description,
+and restored from one, checked in full first (a parameter checksum, counts and shapes).
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from swarm.config import ModelConfig
 from swarm.core.ledger import carry
+from swarm.model import build_stage
 from swarm.server.anchor import averaged
 from swarm.server.graphs import REPLACED
 from swarm.server.weights_hash import digest
@@ -68,29 +71,57 @@ def export_state(rt: StageRuntime) -> tuple[dict, list[torch.Tensor]]:
     return meta, tensors
 
 
-def check_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> None:
-    """Everything a state must be before any of it is applied (it comes from another peer, or from a disk
-    another process wrote): a ValueError says what is wrong, and the stage is left as it was."""
+@dataclass(frozen=True)
+class StateLayout:
+    """What a stage's state holds, read off the stage's module: what `check_state` holds a state to."""
+
+    entries: dict[str, tuple[torch.Size, torch.dtype]]  # the module's state dict, in its order
+    params: tuple[torch.Size, ...]  # the trainable parameters' shapes, in the optimizer's order
+    trainable: tuple[str, ...]  # their names: the parameters the digest covers
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> StateLayout:
+        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        return cls({n: (t.shape, t.dtype) for n, t in module.state_dict().items()},
+                   tuple(p.shape for _, p in trainable), tuple(n for n, _ in trainable))
+
+    @classmethod
+    def of_stage(cls, model: ModelConfig, index: int) -> StateLayout:
+        """A stage's layout without its weights (built on the meta device, pretrained weights not read): a
+        peer that holds copies of stages it does not serve checks them as the stage's replicas would. A
+        model spec that cannot be built there (it computes its initial weights from values) is built as a
+        replica builds it, once."""
+        bare = replace(model, hf_weights="")
+        try:
+            with torch.device("meta"):
+                return cls.of(build_stage(bare, index))
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            return cls.of(build_stage(bare, index))
+
+
+def check_state(layout: StateLayout, meta: dict, tensors: list[torch.Tensor]) -> None:
+    """Everything a state must be before any of it is applied or kept (it comes from another peer, or from a
+    disk another process wrote): a ValueError says what is wrong, and the stage is left as it was."""
     if not isinstance(meta, dict):
         raise ValueError("state description is not a map")
     names, opt_keys, epoch, ledger = (meta.get(k) for k in ("names", "opt_keys", "epoch", "ledger"))
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise ValueError(f"state epoch {epoch!r} is not a count of steps")
-    own = rt.module.state_dict()
+    own = layout.entries
     if not isinstance(names, list) or names != list(own):
         raise ValueError("state names other tensors than this stage has")
     if not (isinstance(opt_keys, list) and all(isinstance(k, list) and len(k) == 2 and isinstance(k[0], int)
-                                                and 0 <= k[0] < len(rt.params) and isinstance(k[1], str)
+                                                and 0 <= k[0] < len(layout.params) and isinstance(k[1], str)
                                                 for k in opt_keys)):
         raise ValueError("state's optimizer entries are malformed")
     if len(tensors) != len(names) + len(opt_keys):
         raise ValueError(f"state has {len(tensors)} tensors, expected {len(names) + len(opt_keys)}")
     for name, t in zip(names, tensors, strict=False):
-        if t.shape != own[name].shape or t.dtype != own[name].dtype:
-            raise ValueError(f"state's {name} is {t.dtype} {list(t.shape)}, the stage's {own[name].dtype} "
-                             f"{list(own[name].shape)}")
+        shape, dtype = own[name]
+        if t.shape != shape or t.dtype != dtype:
+            raise ValueError(f"state's {name} is {t.dtype} {list(t.shape)}, the stage's {dtype} {list(shape)}")
     for (index, key), t in zip(opt_keys, tensors[len(names):], strict=True):
-        if t.numel() != 1 and t.shape != rt.params[index].shape:
+        if t.numel() != 1 and t.shape != layout.params[index]:
             raise ValueError(f"state's optimizer {key} of parameter {index} has shape {list(t.shape)}")
     if not all(all_finite(t) for t in tensors if t.is_floating_point()):
         raise ValueError("state holds NaN or Inf")
@@ -100,14 +131,13 @@ def check_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> No
         raise ValueError("state's ledger is malformed")
     if "digest" in meta:  # the parameters' checksum
         sent = dict(zip(names, tensors, strict=False))
-        trainable = [sent[n] for n, p in rt.module.named_parameters() if p.requires_grad]
-        if digest(trainable) != meta["digest"]:
+        if digest([sent[n] for n in layout.trainable]) != meta["digest"]:
             raise ValueError(f"state checksum mismatch: expected {meta['digest']}")
 
 
 def import_state(rt: StageRuntime, meta: dict, tensors: list[torch.Tensor]) -> int:
     """Load a state in place of the runtime's; the samples of held gradients dropped (`carry`)."""
-    check_state(rt, meta, tensors)
+    check_state(rt.layout, meta, tensors)
     steps = meta.get("ledger", [])
     aside = [ids for _, ids in rt.aside.parts]
     fate = None if rt.asynchronous else carry(rt.pending, aside, rt.epoch, int(meta["epoch"]), steps)
