@@ -3,16 +3,19 @@
 One process per (pipeline, stage), one thread each, gloo on 127.0.0.1. With `pipelines` > 1 the run is
 data-parallel over pipelines: each takes its share of every step's batch, and the replicas of a stage
 average their gradients (all-reduce over the stage's group) before every one of them steps, as DDP
-would. A rank can be slowed or killed at a step, to see what a fixed pipeline makes of a straggler or a
-lost peer. With `cpus`, every rank is held to that many cores (a machine of its own) and the slow rank
-to `cpus / slowdown`; without, the slow rank idles `slowdown - 1` times the CPU time it used, as a swarm
-server's `server.slowdown` does.
+would. Each rank steps as a swarm server steps its stage (its gradient clipped to `optim.clip_grad_norm`,
+the servers' optimizer at the step's warm-up learning rate), so the two runs' losses compare. A rank can
+be slowed or killed at a step, to see what a fixed pipeline makes of a straggler or a lost peer. With
+`cpus`, every rank is held to that many cores (a machine of its own) and the slow rank to `cpus /
+slowdown`; without, the slow rank idles `slowdown - 1` times the CPU time it used, as a swarm server's
+`server.slowdown` does.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import tempfile
@@ -27,10 +30,11 @@ import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from swarm.config import load_config
+from swarm.core.schedule import warmup_lr
 from swarm.data import load_samples, split_inputs_targets
 from swarm.model import build_stage
 from swarm.ops.cpushare import CpuShare
-from swarm.server.nag import fusable
+from swarm.server.nag import stage_optimizer
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -100,12 +104,14 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
                           output_args=torch.zeros(out_shape, requires_grad=True), group=pipe_groups[pipeline])
     schedule = SCHEDULES[run.schedule](stage, n_microbatches=share // mb, loss_fn=lambda loss, _target: loss)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, fused=fusable(params))  # as servers step
+    opt = stage_optimizer(params, cfg.optim)  # as servers step
     table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.optim.target_batch_size)
     losses_by_step: list[float] = []
+    taken = 0  # optimizer steps
 
     def step() -> None:
+        nonlocal taken
         inputs, targets = split_inputs_targets(next(batches)[pipeline * share : (pipeline + 1) * share], table.pad_id)
         if stage.is_first:
             schedule.step(inputs)
@@ -123,8 +129,12 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+        torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad_norm or math.inf)
+        for group in opt.param_groups:
+            group["lr"] = warmup_lr(taken, cfg.optim.base_lr, cfg.optim.warmup_steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        taken += 1
 
     result: dict = {"rank": rank}
     start = time.perf_counter()
