@@ -40,6 +40,10 @@ the bootstrap peer and the launcher), read from /proc.
 
 Achieved GFLOP/s counts the model's training FLOPs per sample (matmuls and attention, forward and
 backward: 3x the forward) times samples/s; the single process's figure is the machine's limit.
+
+Losses (first -> last): torch's, the mean over its warm-up step's microbatches and over its last step's;
+the swarm's, over its first and its last 20 microbatches (as its report gives them). Both sides clip each
+stage's gradient and warm the learning rate up alike (benchmarks/torchpipe.py steps as servers step).
 """
 
 from __future__ import annotations
