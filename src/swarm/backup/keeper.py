@@ -60,7 +60,7 @@ class BackupKeeper:
                  every_stage: bool = False):
         """`own_stage`: the stage this peer serves now (None: none); `every_stage`: hold a copy of every
         stage (a `swarm backup` peer) rather than those the ranking gives this server."""
-        self.me, self.hash, self.model, self.num_stages = me, config_hash, model, model.num_stages
+        self.me, self.hash, self.model = me, config_hash, model
         self.layouts: dict[int, StateLayout] = {}  # (built as first needed)
         self.cfg, self.ttl = cfg, net.record_ttl + 2 * cfg.period
         self.announce_period = net.announce_period
@@ -89,7 +89,7 @@ class BackupKeeper:
         peer read them within the period, if it did (its mover's look, its trainer's view): a copy is then
         refreshed up to a period later, and the DHT nodes holding the keys serve one read fewer."""
         layout = {k: [r for r in records if r.config_hash == self.hash]
-                  for k, records in (await self.directory.stages(self.num_stages, fresh=self.cfg.period)).items()}
+                  for k, records in (await self.directory.stages(self.model.num_stages, fresh=self.cfg.period)).items()}
         for records in layout.values():
             for r in records:
                 note_fresh_start(self.fresh_starts, r)

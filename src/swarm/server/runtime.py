@@ -65,8 +65,7 @@ class StageRuntime:
         self.is_last = bool(getattr(module, "is_last", False))
         self.optim_cfg = optim
         self.asynchronous = optim.mode == "async"
-        self.param_names = [n for n, p in self.module.named_parameters() if p.requires_grad]
-        self.layout = StateLayout.of(self.module)  # what a state loaded here must hold
+        self.layout = StateLayout.of(self.module)  # what a state loaded here must hold; its trainable parameters' names
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = stage_optimizer(self.params, optim)
         self.autocast_dtype = autocast_dtype(autocast, self.device)
@@ -123,7 +122,7 @@ class StageRuntime:
         stash = None
         with self.autocast():
             if self.asynchronous:
-                live = zip(self.param_names, self.params, strict=True)
+                live = zip(self.layout.trainable, self.params, strict=True)
                 stash = {n: p.detach().clone().requires_grad_(True) for n, p in live}
                 outputs = torch.func.functional_call(self.module, stash, (inputs,))
             else:
@@ -244,7 +243,7 @@ class StageRuntime:
                 self._hold(r, rows.stop - rows.start, graph.version)
                 results[r] = None if self.is_first else on_host(self.wire, "gradients", graph.inputs.grad[rows])
             if graph.stash is not None:  # the gradient at the stashed weights, applied to the live ones
-                for p, name in zip(self.params, self.param_names, strict=True):
+                for p, name in zip(self.params, self.layout.trainable, strict=True):
                     p.grad = graph.stash[name].grad
             self._local_update(samples)
         for r in grads.keys() - fresh.keys():
