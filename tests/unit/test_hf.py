@@ -158,8 +158,8 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path: Path) -> None:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_stage_layout_built_without_weights_is_the_one_its_replicas_check_states_against(
         tmp_path: Path, family: str) -> None:
-    """A backup holder of a stage it does not serve checks a copy against the stage's layout, built on the
-    meta device without reading the pretrained weights: the same names, shapes, dtypes and trainable
+    """A backup holder of a stage it does not serve checks a copy against the stage's layout, built without
+    reading the pretrained weights: the same names, shapes, dtypes and trainable
     parameters as the stage a replica builds."""
     (tiny_llama if family == "llama" else tiny_gpt2)(tmp_path)
     cfg = hf_cfg(tmp_path, num_stages=3)

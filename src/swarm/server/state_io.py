@@ -87,16 +87,11 @@ class StateLayout:
 
     @classmethod
     def of_stage(cls, model: ModelConfig, index: int) -> StateLayout:
-        """A stage's layout without its weights (built on the meta device, pretrained weights not read): a
-        peer that holds copies of stages it does not serve checks them as the stage's replicas would. A
-        model spec that cannot be built there (it computes its initial weights from values) is built as a
-        replica builds it, once."""
-        bare = replace(model, hf_weights="")
-        try:
-            with torch.device("meta"):
-                return cls.of(build_stage(bare, index))
-        except (RuntimeError, NotImplementedError, TypeError, ValueError):
-            return cls.of(build_stage(bare, index))
+        """A stage's layout, its module built as a replica builds it but without reading pretrained weights,
+        then dropped: a peer that holds copies of stages it does not serve checks them as the stage's replicas
+        would. (Not on the meta device: initializing weights there imports torch's compiler, seconds of CPU
+        that held a backup peer's first copy back while its stage stepped on.)"""
+        return cls.of(build_stage(replace(model, hf_weights=""), index))
 
 
 def check_state(layout: StateLayout, meta: dict, tensors: list[torch.Tensor]) -> None:
