@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from swarm.net import protocol
-from swarm.net.protocol import Tagged
+from swarm.net.protocol import Tagged, bound_stream_messages
 from swarm.net.servicer import StageServicer
 from swarm.net.transport import StageClient
 
@@ -69,6 +69,7 @@ async def measure(name: str, calls: int, one, pids: dict[str, int]) -> None:
 
 
 async def main(calls: int, kib: int, bulk_mib: int) -> None:
+    bound_stream_messages()  # stream messages read as a peer reads them (swarm.net.node.start_dht)
     server = await P2P.create()
     client = await P2P.create(initial_peers=await server.get_visible_maddrs())
     pids = {"python": os.getpid(), "server daemon": server._child.pid, "client daemon": client._child.pid}

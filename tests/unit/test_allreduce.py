@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from hivemind.proto import runtime_pb2
 
 from swarm.averaging import patience
 from swarm.averaging.allreduce import StageAllReduce
@@ -36,7 +35,7 @@ MARGIN = 5.0  # outer deadline: a hang fails the test instead of stalling the su
 async def _through_wire(meta: dict[str, Any], items: Sequence[Any], policy: Policy) -> tuple[dict, list]:
     """What the other side reads: the call's metadata and tensors framed and packed as the transport does."""
     async def stream() -> AsyncIterator[Any]:
-        for message in encode(runtime_pb2.ExpertRequest, meta, items, policy):
+        for message in encode(meta, items, policy):
             yield message
 
     return await decode(stream(), 1 << 40)

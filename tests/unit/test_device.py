@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from hivemind.proto import runtime_pb2
 from tests.unit.test_runtime import OPTIM, batch, tiny_cfg
 from tests.unit.test_servicer_limit import FakeContext, FakeId
 
@@ -99,7 +98,7 @@ def test_a_servers_stage_calls_arrive_on_its_device_and_its_other_calls_on_the_h
     async def scenario() -> None:
         for method in ("forward", "backward", "evaluate", "reduce"):
             async def requests():
-                for msg in protocol.encode(runtime_pb2.ExpertRequest, {}, tensors, wire):
+                for msg in protocol.encode({}, tensors, wire):
                     yield msg
             async for _ in getattr(servicer, f"rpc_{method}")(requests(), FakeContext(FakeId("QmCaller"))):
                 pass

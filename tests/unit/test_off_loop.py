@@ -8,7 +8,6 @@ import asyncio
 import threading
 
 import torch
-from hivemind.proto import runtime_pb2
 from tests.unit.test_allreduce import assert_exact_mean, grads, make_members
 from tests.unit.test_server_parts import ID, call, last_stage_request, served
 from tests.unit.test_servicer_limit import FakeContext, FakeId
@@ -50,7 +49,7 @@ def spy(monkeypatch, module, name: str) -> list[int]:
 
 def test_a_server_unpacks_a_requests_codecs_off_its_event_loop(monkeypatch) -> None:
     x = torch.randn(4, 64, 32)
-    request = list(encode(runtime_pb2.ExpertRequest, {}, [Tagged("activations", x)], Policy({"activations":
+    request = list(encode({}, [Tagged("activations", x)], Policy({"activations":
                                                                                               "blockwise8"})))
     threads = spy(monkeypatch, codecs, "decode")
 
@@ -122,7 +121,7 @@ def test_a_large_payload_is_put_together_off_the_event_loop(monkeypatch) -> None
 
     async def received(numel: int) -> int:
         async def stream():
-            for msg in encode(runtime_pb2.ExpertRequest, {}, [torch.zeros(numel)], Policy({})):
+            for msg in encode({}, [torch.zeros(numel)], Policy({})):
                 yield msg
         meta, [tensor] = await decode(stream(), 1 << 30)
         assert tensor.numel() == numel

@@ -63,7 +63,7 @@ def over_the_wire(meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[t
     """What a state download does to the state: encoded for the wire, decoded on the other side."""
 
     async def stream() -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for msg in encode(runtime_pb2.ExpertResponse, meta, tensors):
+        for msg in encode(meta, tensors):
             yield msg
 
     return asyncio.run(decode(stream(), 1 << 34))

@@ -59,7 +59,7 @@ class Requests:
     """A request stream that records whether the server read any of it."""
 
     def __init__(self, n: int, meta: dict[str, Any] | None = None) -> None:
-        self.messages = list(encode(runtime_pb2.ExpertRequest, {"n": n, **(meta or {})}, [torch.ones(2)]))
+        self.messages = list(encode({"n": n, **(meta or {})}, [torch.ones(2)]))
         self.read = 0
 
     async def __aiter__(self) -> AsyncIterator[runtime_pb2.ExpertRequest]:

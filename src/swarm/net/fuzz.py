@@ -33,6 +33,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm.config import SwarmConfig, config_hash
+from swarm.net.frames import Frame
 from swarm.net.protocol import WIRE_KEY, Tagged, encode
 from swarm.net.transport import CallFailed, StageClient
 from swarm.wire.codecs import CODECS, DTYPES
@@ -112,7 +113,7 @@ class Fuzzer:
             meta = self._mutate_map(meta)
         elif kind == "tensors":
             tensors = [self._tensor() for _ in range(self.rng.randrange(4))]
-        messages = list(encode(runtime_pb2.ExpertRequest, meta if isinstance(meta, dict) else {"x": meta},
+        messages = list(encode(meta if isinstance(meta, dict) else {"x": meta},
                                [Tagged("activations", t) for t in tensors]))
         if kind == "wire":
             self._mutate_wire(messages[0])
@@ -177,7 +178,7 @@ class Fuzzer:
         shape = [rng.choice((0, 1, 2, 3, 7, 64)) for _ in range(rng.randrange(4))]
         return torch.zeros(shape, dtype=dtype) if dtype == torch.bool else (torch.rand(shape) * 300).to(dtype)
 
-    def _mutate_wire(self, first: runtime_pb2.ExpertRequest) -> None:
+    def _mutate_wire(self, first: Frame) -> None:
         meta = msgpack.unpackb(first.metadata) if first.metadata else {}
         entries = meta.get(WIRE_KEY) or [{"role": "activations", "parts": 1, "codec": "none"}]
         entry = self.rng.choice(entries)

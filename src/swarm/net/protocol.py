@@ -20,7 +20,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 import numpy
@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
+from swarm.net.frames import Frame, Part
 from swarm.net.quiet import Quiet
 from swarm.wire import codecs
 from swarm.wire.validate import BadRequest, Truncated, Unavailable
@@ -44,7 +45,7 @@ INLINE_META_BYTES = 32 * 1024  # metadata up to this size shares the first messa
 INLINE_BYTES = 1 << 20  # payloads up to this size are put together on the event loop (a thread hop costs more)
 WIRE_KEY = "_wire"  # the metadata entry that describes the tensors
 META_ROLE = "meta"  # where the bytes of the metadata itself are counted
-Message = TypeVar("Message", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
+FRAMED = (runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)  # what stage calls send: read as `Frame`s
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,11 @@ class Traffic:
 
 
 def encode(
-    cls: type[Message],
     meta: dict[str, Any],
     tensors: Sequence[Item],
     policy: codecs.Policy = codecs.EXACT,
     traffic: Traffic | None = None,
-) -> Iterator[Message]:
+) -> Iterator[Frame]:
     """Yield the messages that carry `meta` and `tensors`; at least one even with no tensors."""
     packs = [_pack(item, policy) for item in tensors]
     if packs:
@@ -91,20 +91,20 @@ def encode(
         traffic.add(META_ROLE, "sent", len(packed))
     first = True
     if len(packed) > INLINE_META_BYTES:
-        yield cls(metadata=packed)
+        yield Frame(metadata=packed)
         first = False
     for role, pack in packs:
         for raw in pack.parts:
             for part in _chunks(raw):
                 if traffic is not None:
                     traffic.add(role, "sent", len(part.buffer))
-                msg = cls(tensors=[part])
+                msg = Frame(tensors=[part])
                 if first:
                     msg.metadata = packed
                     first = False
                 yield msg
     if first:
-        yield cls(metadata=packed)
+        yield Frame(metadata=packed)
 
 
 async def packed(tensors: Sequence[Item], policy: codecs.Policy) -> list[Item]:
@@ -134,7 +134,7 @@ class Received:
 
 
 async def decode(
-    stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None,
+    stream: AsyncIterator[Frame], max_bytes: int, traffic: Traffic | None = None,
     admit: Callable[[dict[str, Any]], None] | None = None, device: torch.device | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Reassemble a stream produced by `encode`, its tensors on `device` (default: the host); raises
@@ -145,13 +145,13 @@ async def decode(
 
 
 async def receive(
-    stream: AsyncIterator[Message], max_bytes: int, traffic: Traffic | None = None,
+    stream: AsyncIterator[Frame], max_bytes: int, traffic: Traffic | None = None,
     admit: Callable[[dict[str, Any]], None] | None = None,
 ) -> Received:
     """`decode` up to the codecs: the payload read, checked against its limit and its description, and
     counted; its tensors still packed."""
     meta: dict[str, Any] | None = None
-    chunked: list[list[runtime_pb2.Tensor]] = []  # the chunks of each raw part
+    chunked: list[list[Part]] = []  # the chunks of each raw part
     total = 0
     async for msg in stream:  # an error of the stream itself (peer or connection failed) propagates as is
         with _garbage_is_bad_request():
@@ -225,31 +225,29 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().cpu()
 
 
-def _chunks(tensor: torch.Tensor) -> Iterator[runtime_pb2.Tensor]:
-    """A raw part's bytes in messages of CHUNK_BYTES, each copied out of the tensor as it is sent: a
-    state's tensors are hundreds of MiB, and copying one whole before the first chunk left kept the event
-    loop (and its DHT renewals) from running for that long. The first chunk says the dtype and shape."""
+def _chunks(tensor: torch.Tensor) -> Iterator[Part]:
+    """A raw part's bytes in messages of CHUNK_BYTES, each a view of the tensor, copied only as its message
+    is sent (`Frame.SerializeToString`): a state's tensors are hundreds of MiB, and copying one whole before
+    the first chunk left kept the event loop (and its DHT renewals) from running for that long. The first
+    chunk says the dtype and shape."""
     tensor = _on_host(tensor)  # (already there when `packed` prepared the items: see `_pack`)
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
-    yield runtime_pb2.Tensor(buffer=data[:CHUNK_BYTES].tobytes(), size=list(tensor.shape),
-                             dtype=codecs.dtype_name(tensor.dtype))
+    yield Part(buffer=data[:CHUNK_BYTES], size=list(tensor.shape), dtype=codecs.dtype_name(tensor.dtype))
     for start in range(CHUNK_BYTES, len(data), CHUNK_BYTES):
-        yield runtime_pb2.Tensor(buffer=data[start:start + CHUNK_BYTES].tobytes())
+        yield Part(buffer=data[start:start + CHUNK_BYTES])
 
 
-def _collect(chunked: list[list[runtime_pb2.Tensor]]) -> tuple[list[torch.Tensor], list[int]]:
+def _collect(chunked: list[list[Part]]) -> tuple[list[torch.Tensor], list[int]]:
     """The raw parts the chunks make up, and the bytes of each (for the accounting)."""
     with _garbage_is_bad_request():
         parts = [_joined(chunks, i == len(chunked) - 1) for i, chunks in enumerate(chunked)]
         return [part for part, _ in parts], [nbytes for _, nbytes in parts]
 
 
-def _joined(chunks: list[runtime_pb2.Tensor], last: bool) -> tuple[torch.Tensor, int]:
+def _joined(chunks: list[Part], last: bool) -> tuple[torch.Tensor, int]:
     """A raw part as a tensor, and its bytes. The first chunk says the dtype and shape; every chunk's bytes
-    are copied once, straight into the tensor. (Each read of a message's `buffer` copies it, and joining
-    the chunks into one message first, as hivemind does, then reading that several times, took seven
-    times the CPU: 0.4 s for a stage's 74 MiB state.) The last part of a stream that ended early is short
-    by whole chunks."""
+    (a view of the message they came in) are copied once, straight into the tensor. The last part of a
+    stream that ended early is short by whole chunks."""
     first = chunks[0]
     dtype = codecs.DTYPES.get(first.dtype)
     if dtype is None:
@@ -287,7 +285,8 @@ def _garbage_is_bad_request() -> Iterator[None]:
 
 def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
     """Make hivemind refuse any stream message that declares more than `limit` bytes, before reading it,
-    and end quietly a stream whose message does not parse.
+    end quietly a stream whose message does not parse, and read stage calls' messages as `Frame`s (their
+    tensor bytes not copied: see `swarm.net.frames`).
 
     hivemind reads each message of a stream whole, whatever length its 8-byte header declares, so one
     header could make a peer allocate gigabytes; and it logs a traceback for every message that does not
@@ -307,7 +306,7 @@ def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
 
     async def receive_protobuf(input_type, reader: asyncio.StreamReader):
         try:
-            return await parse(input_type, reader)
+            return await parse(Frame if input_type in FRAMED else input_type, reader)
         except (DecodeError, TypeError) as e:  # TypeError: hivemind's own for an unknown message marker
             _quiet.warning(MALFORMED, "malformed stream message: %s", type(e).__name__)
             raise asyncio.IncompleteReadError(b"", None) from e

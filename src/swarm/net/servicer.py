@@ -118,7 +118,7 @@ class StageServicer(ServicerBase):
             reply: Reply = {"error": f"too many calls in flight from {short(caller)} (limit "
                                      f"{self.max_calls_per_peer}); try again later or elsewhere",
                             "refused": False}, []
-            for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, self.traffic):
+            for msg in encode(*reply, self.policy, self.traffic):
                 yield msg
             return
         self.calls[caller] = in_flight + 1
@@ -161,7 +161,7 @@ class StageServicer(ServicerBase):
             if self.quiet.admit(FAILURES):  # a bug a peer can trigger at will: its traceback, a few a minute
                 log.exception("handler %s failed", name)
             reply = {"error": f"{type(e).__name__}: {e}", "refused": False}, []
-        for msg in encode(runtime_pb2.ExpertResponse, *reply, self.policy, traffic):
+        for msg in encode(*reply, self.policy, traffic):
             yield msg
 
     def serve_local(self, method: str, requests: Requests, me: PeerID) -> Responses:

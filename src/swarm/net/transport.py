@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
 
 from swarm.net.faultfile import FaultFile
 from swarm.net.protocol import Item, Traffic, encode, packed, receive
@@ -88,7 +87,7 @@ class StageClient:
         traffic = None if local is not None else self.traffic  # (nothing crosses the wire)
 
         async def exchange() -> tuple[dict[str, Any], list[torch.Tensor]]:
-            requests = encode(runtime_pb2.ExpertRequest, meta, tensors, self.policy, traffic)
+            requests = encode(meta, tensors, self.policy, traffic)
             if local is not None:
                 stream = local.serve_local(method, _aiter(requests), self.p2p.peer_id)
             else:
