@@ -81,7 +81,7 @@ def serialization_seconds(cfg, repeats: int = 20) -> float:
 
     async def roundtrip() -> None:
         async def stream():
-            for m in encode(__import__("hivemind").proto.runtime_pb2.ExpertRequest, {"req": "1"}, [x]):
+            for m in encode({"req": "1"}, [x]):
                 yield m
 
         await decode(stream(), 1 << 30)
