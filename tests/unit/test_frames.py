@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 
 import pytest
 import torch
@@ -94,17 +95,30 @@ def test_garbage_raises_decode_error_and_whatever_both_read_they_read_alike() ->
     assert both > 300  # enough of the mutations still parse for the comparison to say something
 
 
-def test_a_stage_calls_parts_are_read_off_the_stream_as_views_and_decode_exactly() -> None:
+def test_a_stage_calls_messages_cross_a_socket_and_are_read_as_views_that_decode_exactly() -> None:
+    """Written piece by piece and read as a peer reads them: a part bigger than the socket's buffer arrives
+    whole, its bytes a view of the message that brought them."""
     bound_stream_messages()
-    x = torch.randn(4, 64, 128)
+    x = torch.randn(1024, 1000)  # 4 MB: one message, most of it left in the stream's buffer at first
     frames = list(encode({"epoch": 2}, [x, torch.arange(7)], Policy()))
 
     async def main() -> tuple[list[Frame], tuple]:
-        reader = asyncio.StreamReader()
-        for frame in frames:
-            data = frame.SerializeToString()
-            reader.feed_data(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
-        got = [(await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader))[0] for _ in frames]
+        here, there = socket.socketpair()
+        reader, reply_writer = await asyncio.open_connection(sock=here)  # (held: dropped, it closes the socket)
+        _, writer = await asyncio.open_connection(sock=there)
+
+        async def send() -> None:
+            for frame in frames:
+                await P2P.send_protobuf(frame, writer)
+            await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+        sending = asyncio.create_task(send())
+        got = []
+        while (msg := (await P2P.receive_protobuf(runtime_pb2.ExpertRequest, reader))[0]) is not None:
+            got.append(msg)
+        await sending
+        writer.close()
+        reply_writer.close()
 
         async def stream():
             for frame in got:
@@ -112,7 +126,7 @@ def test_a_stage_calls_parts_are_read_off_the_stream_as_views_and_decode_exactly
         return got, await decode(stream(), 1 << 30)
 
     got, (meta, tensors) = asyncio.run(main())
-    assert all(isinstance(f, Frame) for f in got)
+    assert len(got) == len(frames) and all(isinstance(f, Frame) for f in got)
     part = got[0].tensors[0]
     assert isinstance(part.buffer, memoryview) and isinstance(part.buffer.obj, bytes)  # not copied out
     assert meta == {"epoch": 2} and torch.equal(tensors[0], x) and torch.equal(tensors[1], torch.arange(7))

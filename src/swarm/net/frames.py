@@ -4,9 +4,9 @@ A stream message of a stage call is hivemind's `ExpertRequest`/`ExpertResponse` 
 their fields: `tensors`, each a `Tensor`, and `metadata`; a request's `uid` is not used). Built and read
 through protobuf's own classes, a part's bytes were copied five times on the way in (into the message, out
 of it at each read of `buffer`, ...) and three times on the way out: on a GPU server, which moves several
-MiB per microbatch, that copying bounded the swarm. A `Frame` holds its parts' bytes as views: `serialize`
-copies each once, into the message's bytes, and `parse` slices them out of those bytes without copying (the
-receiver then copies each once, into its tensor: `swarm.net.protocol`).
+MiB per microbatch, that copying bounded the swarm. A `Frame` holds its parts' bytes as views: a peer writes
+them to its stream as they are (`pieces`), and reads them as views of the message's bytes, which it then
+copies once, into the tensor they make up (`swarm.net.protocol`).
 
 Both produce and accept protobuf's encoding of the same message, so peers reading with protobuf's classes
 understand these and the other way round. What arrives comes from strangers: anything that is not a
@@ -46,11 +46,22 @@ class Frame:
     tensors: list[Part] = field(default_factory=list)
     metadata: bytes = b""
 
+    def pieces(self) -> list[Bytes]:
+        """The message's encoding in pieces, each part's buffer one of them, uncopied: a peer writes them
+        to its stream one by one (`swarm.net.protocol.bound_stream_messages`)."""
+        pieces: list[Bytes] = []
+        for part in self.tensors:
+            inner = _part_pieces(part)
+            pieces += [_key(TENSORS, LEN), _varint(sum(len(p) for p in inner)), *inner]
+        if self.metadata:
+            pieces += [_key(METADATA, LEN), _varint(len(self.metadata)), self.metadata]
+        return pieces
+
     def SerializeToString(self) -> bytes:  # noqa: N802 (hivemind's name for it)
-        return b"".join(_frame_pieces(self))
+        return b"".join(self.pieces())
 
     def ByteSize(self) -> int:  # noqa: N802
-        return sum(len(piece) for piece in _frame_pieces(self))
+        return sum(len(piece) for piece in self.pieces())
 
     def ParseFromString(self, data: Bytes) -> None:  # noqa: N802
         self.tensors, self.metadata = [], b""
@@ -60,16 +71,6 @@ class Frame:
                 self.tensors.append(_part(value))
             elif number == METADATA and wire == LEN:
                 self.metadata = bytes(value)
-
-
-def _frame_pieces(frame: Frame) -> list[Bytes]:
-    pieces: list[Bytes] = []
-    for part in frame.tensors:
-        inner = _part_pieces(part)
-        pieces += [_key(TENSORS, LEN), _varint(sum(len(p) for p in inner)), *inner]
-    if frame.metadata:
-        pieces += [_key(METADATA, LEN), _varint(len(frame.metadata)), frame.metadata]
-    return pieces
 
 
 def _part_pieces(part: Part) -> list[Bytes]:

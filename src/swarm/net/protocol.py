@@ -285,8 +285,8 @@ def _garbage_is_bad_request() -> Iterator[None]:
 
 def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
     """Make hivemind refuse any stream message that declares more than `limit` bytes, before reading it,
-    end quietly a stream whose message does not parse, and read stage calls' messages as `Frame`s (their
-    tensor bytes not copied: see `swarm.net.frames`).
+    end quietly a stream whose message does not parse, and read and write stage calls' messages as `Frame`s
+    (their tensor bytes not copied: see `swarm.net.frames`).
 
     hivemind reads each message of a stream whole, whatever length its 8-byte header declares, so one
     header could make a peer allocate gigabytes; and it logs a traceback for every message that does not
@@ -311,8 +311,22 @@ def bound_stream_messages(limit: int = MAX_MESSAGE_BYTES) -> None:
             _quiet.warning(MALFORMED, "malformed stream message: %s", type(e).__name__)
             raise asyncio.IncompleteReadError(b"", None) from e
 
+    async def send_protobuf(message, writer: asyncio.StreamWriter) -> None:
+        if not isinstance(message, Frame):
+            return await send(message, writer)
+        # piece by piece: the stream copies into its buffer what the socket does not take at once, so a
+        # part's bytes are copied once on the way out rather than into the joined message first
+        pieces = message.pieces()
+        writer.write(P2P.MESSAGE_MARKER + sum(map(len, pieces)).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))
+        for piece in pieces:
+            writer.write(piece)
+        await writer.drain()
+
     receive_raw_data.bounded = limit
     parse = getattr(P2P.receive_protobuf, "unbounded", P2P.receive_protobuf)
+    send = getattr(P2P.send_protobuf, "unframed", P2P.send_protobuf)
     receive_protobuf.unbounded = parse
+    send_protobuf.unframed = send
     P2P.receive_raw_data = staticmethod(receive_raw_data)
     P2P.receive_protobuf = staticmethod(receive_protobuf)
+    P2P.send_protobuf = staticmethod(send_protobuf)
