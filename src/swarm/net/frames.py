@@ -112,12 +112,10 @@ def _part(view: memoryview) -> Part:
                 part.dtype = str(value, "utf-8")
             except UnicodeDecodeError as e:
                 raise DecodeError("a string field is not valid UTF-8") from e
-        elif number in (COMPRESSION, CHUNKS) and wire == VARINT:
-            signed = _int32(value)
-            if number == COMPRESSION:
-                part.compression = signed
-            else:
-                part.chunks = signed
+        elif number == COMPRESSION and wire == VARINT:
+            part.compression = _int32(value)
+        elif number == CHUNKS and wire == VARINT:
+            part.chunks = _int32(value)
     return part
 
 

@@ -227,9 +227,9 @@ def _on_host(tensor: torch.Tensor) -> torch.Tensor:
 
 def _chunks(tensor: torch.Tensor) -> Iterator[Part]:
     """A raw part's bytes in messages of CHUNK_BYTES, each a view of the tensor, copied only as its message
-    is sent (`Frame.SerializeToString`): a state's tensors are hundreds of MiB, and copying one whole before
-    the first chunk left kept the event loop (and its DHT renewals) from running for that long. The first
-    chunk says the dtype and shape."""
+    is written to the stream (`bound_stream_messages`): a state's tensors are hundreds of MiB, and copying one
+    whole before the first chunk left kept the event loop (and its DHT renewals) from running for that long.
+    The first chunk says the dtype and shape."""
     tensor = _on_host(tensor)  # (already there when `packed` prepared the items: see `_pack`)
     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
     yield Part(buffer=data[:CHUNK_BYTES], size=list(tensor.shape), dtype=codecs.dtype_name(tensor.dtype))
