@@ -141,7 +141,7 @@ class StageServer:
                                    self.peer.client, self.peer.directory, self._serving_stage)
         self.handlers.backups = self.keeper
         keeping = asyncio.create_task(supervised("backup", self.keeper.loop))
-        lagging = asyncio.create_task(self.lag.loop())
+        self.lag.watch(asyncio.get_running_loop())
         port = cfg.net.metrics_port
         trainer = Trainer(replace(cfg, net=replace(cfg.net, metrics_port=port + 1 if port else 0))) \
             if cfg.server.train else None
@@ -163,7 +163,7 @@ class StageServer:
                 stage, previous = target, stage
         finally:
             keeping.cancel()
-            lagging.cancel()
+            self.lag.unwatch()
             if training is not None:
                 trainer.finish()
                 await asyncio.wait([training], timeout=cfg.server.leave_timeout)  # its microbatches under way
