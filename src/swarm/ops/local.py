@@ -1,8 +1,11 @@
 """A whole swarm on this machine: a bootstrap peer, stage servers and trainers, each its own process.
 
-Each peer runs in its own process session, so that killing one (as a vanished machine would) can
+Each peer runs in its own process group, so that killing one (as a vanished machine would) can
 take down its whole group: hivemind's DHT child and p2pd daemon outlive a SIGKILL of the main
-process alone and would keep answering in its name.
+process alone and would keep answering in its name. Not in a session of its own: where the kernel
+groups processes by session for scheduling (autogroup), each peer would get an equal share of the
+cores, its helpers' work taken from its own compute thread alone, and the stage with the busiest
+helpers would hold back the pipeline while the other stages' cores stood idle.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class LocalSwarm:
         host: Host | None = None,
         slowdown: float = 1.0,
     ) -> Peer:
-        """Start one peer in its own process session (inside `host`'s network namespace, if given); a server
+        """Start one peer in its own process group (inside `host`'s network namespace, if given); a server
         held to a CPU share gets `slowdown` times less of it."""
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ class LocalSwarm:
             self.shares.append(share)
         with open(log_path, "ab") as out:
             process = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0,
                 stdin=subprocess.DEVNULL, preexec_fn=share.enter if share else None,
             )
         peer = Peer(name, role, process, log_path, stage, host, metrics_port)

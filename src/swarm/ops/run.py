@@ -32,7 +32,7 @@ def run_local(cfg: SwarmConfig, progress: bool = True,
         cfg.optim.target_batch_size, "on" if cfg.rebalance.enabled else "off", cfg.run_dir,
     )
     swarm = LocalSwarm(cfg)
-    # a terminated launcher must not leave its peers behind: they run in sessions of their own
+    # a terminated launcher must not leave its peers behind: they run in process groups of their own
     signal.signal(signal.SIGTERM, _interrupt)
     with swarm:
         swarm.wait_until_done(progress=progress,
