@@ -54,6 +54,29 @@ def test_swarm_trains_and_stages_stay_identical(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_fp16_replicas_each_with_its_own_loss_scale_learn_and_stay_identical(tmp_path):
+    """Every server computes in fp16, starting at a loss scale that overflows every backward: each halves
+    its own scale until its backwards fit and doubles it after a run of clean ones, so the replicas of a
+    stage hold different scales; the gradients they all-reduce are at their true size, so the swarm learns
+    and the replicas step to bit-identical weights."""
+    cfg = small_config(tmp_path, 'server.autocast="fp16"', f"server.fp16_loss_scale={2.0**40}",
+                       "server.fp16_growth_interval=4")
+    summary = run_swarm(LocalSwarm(cfg))
+
+    assert summary["microbatches_failed"] == 0
+    assert summary["final_loss"] < LEARNED_LOSS < summary["first_loss"], summary
+    servers = [json.loads(p.read_text()) for p in (tmp_path / "peers").glob("server-*.json")]
+    assert len(servers) == 4
+    for s in servers:
+        assert s["fp16"]["overflows"] >= 1 and s["fp16"]["scale"] < 2.0**40, s["fp16"]
+    for stage, info in summary["stages"].items():
+        assert info["steps"] >= cfg.trainer.target_steps, (stage, info)
+        assert len({r["digest"] for r in info["replicas"]}) == 1
+    assert_exactly_once(summary)
+    assert_replicas_in_step(summary, tmp_path)
+
+
+@pytest.mark.timeout(300)
 def test_backwards_whose_inputs_a_server_dropped_are_sent_again_with_them(tmp_path):
     """A backward goes to the server that ran its forward without the stage's inputs, which that server keeps
     with the graph. With graphs kept 1 ms, a server drops a microbatch's graph and inputs at the next forward

@@ -14,7 +14,7 @@ from swarm.model import ComposedModel, load_stages
 from swarm.net import protocol
 from swarm.net.protocol import Tagged
 from swarm.net.servicer import StageServicer
-from swarm.server.device import autocast_dtype
+from swarm.server.device import autocast_dtype, fastest_half
 from swarm.server.gradvec import gradient_vector
 from swarm.server.runtime import StageRuntime
 from swarm.wire.codecs import CODECS, Packed, Policy, decode, encode
@@ -124,15 +124,18 @@ def test_a_request_unpacked_on_the_gpu_is_the_hosts_and_passes_the_same_checks()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_a_stage_pipeline_trains_on_the_gpu() -> None:
-    """Two stages on the GPU with the defaults (bf16 autocast where the GPU has it, TF32): results are
-    quantized there and reach the host packed, the loss matches fp32 on the CPU within bf16's precision,
-    and a step moves the weights."""
+@pytest.mark.parametrize("autocast", ["auto", "fp16"])
+def test_a_stage_pipeline_trains_on_the_gpu(autocast: str) -> None:
+    """Two stages on the GPU with the defaults (autocast in its fastest half precision, TF32), and in fp16
+    through the loss scale: results are quantized there and reach the host packed, the loss matches fp32
+    on the CPU within half precision's, and a step moves the weights."""
     stages = load_stages(tiny_cfg(2, 2))
     reference = ComposedModel(copy.deepcopy(stages))
-    first, last = (StageRuntime(stage, OPTIM, device="cuda", wire=WIRE) for stage in stages)
+    first, last = (StageRuntime(stage, OPTIM, device="cuda", autocast=autocast, wire=WIRE) for stage in stages)
     assert torch.backends.cuda.matmul.allow_tf32
-    assert first.autocast_dtype == (torch.bfloat16 if torch.cuda.is_bf16_supported() else None)
+    assert first.autocast_dtype == (torch.float16 if autocast == "fp16"
+                                    else fastest_half(torch.cuda.get_device_capability()[0]))
+    assert (first.loss_scale is not None) == (first.autocast_dtype == torch.float16)
     inputs, targets = batch(4, seed=2)
     (hidden,) = first.forward([("mb", inputs)])
     assert isinstance(hidden, Packed) and all(part.device.type == "cpu" for part in hidden.parts)

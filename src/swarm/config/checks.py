@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or inconsistent; the message names the field."""
@@ -14,3 +16,8 @@ class ConfigMismatch(ConfigError):
 def require(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {message}")
+
+
+def is_power_of_two(x: float) -> bool:
+    """(Powers of two below 1 too: 0.5, 0.25, ...)"""
+    return x > 0 and math.frexp(x)[0] == 0.5

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.config.checks import require
+from swarm.config.checks import is_power_of_two, require
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,13 @@ class ServerConfig:
     auto_stage: bool = False
     name: str = ""  # a label for this server in logs and in the DHT (e.g. the machine's name)
     device: str = "cpu"  # cpu, cuda, cuda:N
-    # auto: bf16 on a CUDA device that has it, none on a CPU. fp16 is refused: its gradients need a loss
-    # scale carried through every stage (a grad scaler), which a pipeline of independent servers lacks
+    # auto: bf16 on a CUDA device with bf16 tensor cores (Ampere and newer), fp16 on one with fp16's only
+    # (Volta, Turing), none on a CPU or an older GPU. In fp16 every backward runs through the replica's own
+    # dynamic loss scale: starting at fp16_loss_scale, halved on an overflow (that backward runs again),
+    # doubled after fp16_growth_interval clean backwards in a row (see swarm.server.lossscale)
     autocast: str = "auto"
+    fp16_loss_scale: float = 65536.0
+    fp16_growth_interval: int = 2000
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     # CPU ids the compute thread, and the torch threads it starts, are kept on (empty: wherever the OS puts
     # them); its network and DHT work goes wherever a core is free. For servers sharing a machine: each on
@@ -75,10 +79,11 @@ class ServerConfig:
             "server.device",
             f"must be cpu, cuda or cuda:N, got {self.device!r}",
         )
-        require(self.autocast != "fp16", "server.autocast",
-                "fp16 needs a loss scale carried through every stage (a grad scaler), which the swarm does not "
-                "have: use bf16, which needs none")
-        require(self.autocast in ("auto", "none", "bf16"), "server.autocast", "must be auto, none or bf16")
+        require(self.autocast in ("auto", "none", "bf16", "fp16"), "server.autocast",
+                f"must be auto, none, bf16 or fp16, got {self.autocast!r}")
+        require(is_power_of_two(self.fp16_loss_scale), "server.fp16_loss_scale",
+                f"must be a power of two (scaling by it is then exact), got {self.fp16_loss_scale}")
+        require(self.fp16_growth_interval > 0, "server.fp16_growth_interval", "must be positive")
         require(self.threads >= 0, "server.threads", "must be >= 0")
         require(all(c >= 0 for c in self.compute_cores) and len(set(self.compute_cores)) == len(self.compute_cores),
                 "server.compute_cores", f"must be distinct CPU ids >= 0, got {list(self.compute_cores)}")

@@ -1,23 +1,36 @@
 """What a stage's compute runs with on its device.
 
-On a GPU the defaults are the fast ones that keep training exact enough: bf16 autocast (the matmuls of
-the forward and backward in bf16, weights, gradients and the optimizer in fp32; bf16 has fp32's range,
-so it needs no loss scale) and TF32 for what stays in fp32. On a CPU everything stays fp32: bf16 there is
-slower on most processors, and CPU replicas are the ones compared bit for bit in tests.
+On a GPU the defaults are the fast ones that keep training exact enough: autocast in the GPU's fastest
+half precision (the matmuls of the forward and backward in it; weights, gradients and the optimizer in
+fp32): bf16, which has fp32's range and needs no loss scale, or on a GPU without it fp16, whose backwards
+run through a loss scale (`swarm.server.lossscale`); and TF32 for what stays in fp32. On a CPU everything
+stays fp32: half precision there is slower on most processors, and CPU replicas are the ones compared bit
+for bit in tests.
 """
 
 from __future__ import annotations
 
 import torch
 
+HALVES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
-    """The dtype `server.autocast` asks for on `device` ("auto": bf16 on a CUDA device that has it)."""
-    if setting == "bf16":
-        return torch.bfloat16
-    if setting == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
+    """The dtype `server.autocast` asks for on `device` ("auto": see `fastest_half`)."""
+    if setting in HALVES:
+        return HALVES[setting]
+    if setting == "auto" and device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(resolve(device))
+        return fastest_half(major)
     return None
+
+
+def fastest_half(major: int) -> torch.dtype | None:
+    """The half precision a CUDA device of compute capability `major`.x runs fastest: bf16 where its tensor
+    cores have it (8: Ampere and newer), fp16 where they have fp16's alone (7: Volta, Turing), none before
+    (Pascal and older lack tensor cores; most of their fp16 is slower than their fp32). torch reports bf16
+    as supported on a Turing card too, emulated: several times slower than its fp16."""
+    return torch.bfloat16 if major >= 8 else torch.float16 if major == 7 else None
 
 
 def resolve(device: torch.device) -> torch.device:

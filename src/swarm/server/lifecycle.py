@@ -314,6 +314,9 @@ class StageServer:
             "recomputed_backwards": rt.recomputed_backwards,
             "recomputed_why": dict(rt.recomputed),
             "duplicates": rt.duplicates,
+            # in fp16: the replica's loss scale at the end, and its backwards run again for an overflow
+            "fp16": None if rt.loss_scale is None else {"scale": rt.loss_scale.scale,
+                                                        "overflows": rt.loss_scale.overflows},
             "mode": self.cfg.optim.mode,
             "reply_delay": self.cfg.server.reply_delay,
             # local updates between each gradient's forward and its application -> gradients

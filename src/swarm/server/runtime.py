@@ -13,7 +13,8 @@ forward and its backward does not spoil the graph: the weights it ran at are kep
 (`swarm.server.stash`), so its backward is the exact gradient at those weights, accumulated into the step
 that follows. Only an evicted graph, a weight change other than a step, or a backward that arrives at another
 replica makes it recompute the forward from its inputs (`swarm.server.graphs`). A graph built for a batch of
-several requests is back-propagated once for all of them (`backward_batch`), not once per request.
+several requests is back-propagated once for all of them (`backward_batch`), not once per request. A stage
+computing in fp16 back-propagates through its replica's own loss scale (`swarm.server.lossscale`).
 
 Asynchronous mode (`optim.mode = "async"`): every accumulating backward applies the optimizer to its microbatch's
 mean gradient at once (a local update). Each forward runs on a copy of the weights it saw (weight stashing, as in
@@ -38,6 +39,7 @@ from swarm.server.anchor import Anchor, AverageRound, averaged
 from swarm.server.device import autocast_dtype, prepare
 from swarm.server.gradvec import SetAside, take_vector
 from swarm.server.graphs import REPLACED, KeptGraphs
+from swarm.server.lossscale import LossScale, backprop
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
 from swarm.server.stash import KeptWeights
@@ -57,6 +59,7 @@ class StageRuntime:
         autocast: str = "auto",
         graph_ttl: float = 120.0,
         wire: Policy | None = None,
+        fp16_scale: LossScale | None = None,  # backwards' loss scale where the compute runs in fp16
     ):
         self.device = prepare(torch.device(device))
         self.wire = wire  # the codecs results leave the compute thread packed with (see `on_host`)
@@ -69,6 +72,7 @@ class StageRuntime:
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = stage_optimizer(self.params, optim)
         self.autocast_dtype = autocast_dtype(autocast, self.device)
+        self.loss_scale = (fp16_scale or LossScale()) if self.autocast_dtype == torch.float16 else None
         self.epoch = 0
         self.book = Ledger(LEDGER_EPOCHS)  # the microbatches held (pending) and stepped (committed)
         self.aside = SetAside()  # a failed round's part, held apart (see `return_part`)
@@ -147,15 +151,11 @@ class StageRuntime:
         inputs = self.leaf(x)
         with self.autocast(), torch.set_grad_enabled(accumulate or not self.is_first):
             loss = self.module(inputs, targets.to(self.device))
-        scaled = loss.float() * x.shape[0]
+        grad = backprop(self.loss_scale, loss.float() * x.shape[0], None, inputs, self.params if accumulate else [])
         if accumulate:
-            scaled.backward()
             self._hold(req_id, x.shape[0], self.version)
             self._local_update(x.shape[0])
-            grad = None if self.is_first else on_host(self.wire, "gradients", inputs.grad)
-        else:
-            grad = None if self.is_first else on_host(self.wire, "gradients", torch.autograd.grad(scaled, inputs)[0])
-        return float(loss.detach()), grad
+        return float(loss.detach()), None if grad is None else on_host(self.wire, "gradients", grad)
 
     def evaluate(self, x: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | float:
         """A forward pass that leaves no trace (validation): no graph, gradient or ledger entry, dropout
@@ -203,10 +203,10 @@ class StageRuntime:
         inputs = self.leaf(x)
         with self.autocast():
             outputs = self.module(inputs)
-        outputs.backward(grad_out.to(self.device))
+        grad = backprop(self.loss_scale, outputs, grad_out, inputs, self.params)
         self._hold(req_id, x.shape[0], self.version)
         self._local_update(x.shape[0])
-        return None if self.is_first else on_host(self.wire, "gradients", inputs.grad)
+        return None if grad is None else on_host(self.wire, "gradients", grad)
 
     def _input_grad(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
         """d(loss)/d(inputs) alone, leaving parameter gradients untouched (stage 0 has none to give)."""
@@ -215,8 +215,7 @@ class StageRuntime:
         inputs = self.leaf(x)
         with self.autocast():
             outputs = self.module(inputs)
-        grad = torch.autograd.grad(outputs, inputs, grad_out.to(self.device).to(outputs.dtype))[0]
-        return on_host(self.wire, "gradients", grad)
+        return on_host(self.wire, "gradients", backprop(self.loss_scale, outputs, grad_out, inputs, []))
 
     def backward_batch(
         self, graph: BatchGraph, grads: dict[str, torch.Tensor]
@@ -234,14 +233,15 @@ class StageRuntime:
             full = torch.zeros_like(graph.outputs, dtype=torch.float32)
             for req_id, dy in fresh.items():
                 full[graph.rows[req_id]] = dy.to(self.device)
-            graph.outputs.backward(full.to(graph.outputs.dtype))
+            leaves = self.params if graph.stash is None else [graph.stash[n] for n in self.layout.trainable]
+            grad = backprop(self.loss_scale, graph.outputs, full, graph.inputs, leaves)
             self.fast_backwards += len(fresh)
             samples = 0
             for r in fresh:
                 rows = graph.rows[r]
                 samples += rows.stop - rows.start
                 self._hold(r, rows.stop - rows.start, graph.version)
-                results[r] = None if self.is_first else on_host(self.wire, "gradients", graph.inputs.grad[rows])
+                results[r] = None if grad is None else on_host(self.wire, "gradients", grad[rows])
             if graph.stash is not None:  # the gradient at the stashed weights, applied to the live ones
                 for p, name in zip(self.params, self.layout.trainable, strict=True):
                     p.grad = graph.stash[name].grad

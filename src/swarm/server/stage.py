@@ -17,6 +17,7 @@ from swarm.core import StageRate
 from swarm.core.stepping import PlanMemory, accept_proposal, unseen_in, worth_telling
 from swarm.model import build_stage, stage_boundary
 from swarm.server.checkpoints import CheckpointStore
+from swarm.server.lossscale import LossScale
 from swarm.server.records import StepRecord
 from swarm.server.runtime import StageRuntime
 from swarm.wire.calls import CountNote
@@ -119,7 +120,8 @@ class ServedStage:
         `wire`: the codecs results are packed with on the compute thread (see swarm.wire.codecs.on_host)."""
         module = build_stage(model, index)  # this stage alone, where the model spec allows it
         in_spec, out_spec = stage_specs(model, module)
-        runtime = StageRuntime(module, optim, server.device, server.autocast, server.graph_ttl, wire)
+        runtime = StageRuntime(module, optim, server.device, server.autocast, server.graph_ttl, wire,
+                               LossScale(server.fp16_loss_scale, server.fp16_growth_interval))
         checkpoints = (CheckpointStore(server.checkpoint_dir, index, server.keep_checkpoints)
                        if server.checkpoint_dir else None)
         return cls(index, peer_id, label, runtime, in_spec, out_spec, checkpoints)
