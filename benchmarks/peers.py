@@ -28,7 +28,8 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
 - gpu (where torch sees a CUDA device; skipped with a line saying so elsewhere): the fault-free model in
   one process on the GPU, and the local swarm with every server on that GPU (bf16 autocast and TF32,
   the servers' GPU defaults), its trainer a process of its own ("swarm") and inside the stage-0 server
-  ("swarm+train"). Reference: the single process.
+  ("swarm+train"), and that again in fp16 with the servers' loss scales ("swarm+train fp16", as a GPU
+  without bf16 runs). Reference: the single process.
 
 Each run's line ends with what the machine did meanwhile: the share of its CPU time a virtual machine's host
 took for others (steal, from /proc/stat), and one core's matmul rate just before and just after the run. Where
@@ -239,14 +240,17 @@ def warmed_up(run_dir: Path) -> float:
 def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | None:
     """The fault-free model on one GPU: the single process, and the swarm's servers all on that GPU
     (each with the servers' GPU defaults), with its trainer in a process of its own and inside the stage-0
-    server's process (whose calls to that stage then skip the p2p daemon). None where torch sees no CUDA device."""
+    server's process (whose calls to that stage then skip the p2p daemon), and the latter again in fp16
+    through the servers' loss scales (what a GPU without bf16 runs). None where torch sees no CUDA device."""
     if not torch.cuda.is_available():
         return None
     cfg = load_config(overrides=overrides)
     on_gpu = [*overrides, 'server.device="cuda"']
     return {"single": {"samples_per_second": baseline(cfg, steps, "cuda")},
             "swarm": swarm_run(on_gpu, steps, f"{run_dir}/swarm"),
-            "swarm+train": swarm_run([*on_gpu, *HOSTED], steps, f"{run_dir}/swarm+train")}
+            "swarm+train": swarm_run([*on_gpu, *HOSTED], steps, f"{run_dir}/swarm+train"),
+            "swarm+train fp16": swarm_run([*on_gpu, *HOSTED, 'server.autocast="fp16"'], steps,
+                                          f"{run_dir}/swarm+train-fp16")}
 
 
 def cpu_jiffies() -> tuple[int, int]:

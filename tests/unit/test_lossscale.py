@@ -89,15 +89,27 @@ def test_recomputed_and_input_only_backwards_go_through_the_scale_too() -> None:
     assert close(again, want) and torch.equal(grads(over), held)
 
 
+def test_the_size_of_an_incoming_gradient_does_not_move_the_scale() -> None:
+    """A gradient 1024 times larger (as large as a request's bound lets a hostile caller make it) runs at
+    the same scale, overflows no more often, and gives exactly 1024 times the gradients."""
+    mid = load_stages(tiny_cfg(3, 3))[1]
+    x, dy = hidden(2, seed=8), hidden(2, seed=9)
+    small, large = fp16(mid, 2.0**15), fp16(mid, 2.0**15)
+    a, b = small.backward("mb", x, dy), large.backward("mb", x, dy * 1024)
+    assert large.loss_scale.scale == small.loss_scale.scale
+    assert large.loss_scale.overflows == small.loss_scale.overflows
+    assert torch.equal(b, a * 1024) and torch.equal(grads(large), grads(small) * 1024)
+
+
 def test_a_non_finite_forward_is_not_retried() -> None:
     """Halving cannot mend a forward that is already inf: the backward is kept as an fp32 one would be (the
     step's norm check then skips it), and the scale stays."""
     mid = load_stages(tiny_cfg(3, 3))[1]
-    rt = fp16(mid, 2.0**16)
+    rt = fp16(mid, 2.0**15)
     x = hidden(2, seed=6)
     x[0, 0, 0] = float("inf")
     rt.backward("mb", x, hidden(2, seed=7))
-    assert rt.loss_scale.scale == 2.0**16 and rt.loss_scale.overflows == 0
+    assert rt.loss_scale.scale == 2.0**15 and rt.loss_scale.overflows == 0
     assert not bool(torch.isfinite(grads(rt)).all())
 
 

@@ -19,10 +19,11 @@ class ServerConfig:
     device: str = "cpu"  # cpu, cuda, cuda:N
     # auto: bf16 on a CUDA device with bf16 tensor cores (Ampere and newer), fp16 on one with fp16's only
     # (Volta, Turing), none on a CPU or an older GPU. In fp16 every backward runs through the replica's own
-    # dynamic loss scale: starting at fp16_loss_scale, halved on an overflow (that backward runs again),
-    # doubled after fp16_growth_interval clean backwards in a row (see swarm.server.lossscale)
+    # dynamic loss scale, the size its incoming gradient's largest value is scaled to: starting at
+    # fp16_loss_scale, halved on an overflow (that backward runs again), doubled after fp16_growth_interval
+    # clean backwards in a row (see swarm.server.lossscale)
     autocast: str = "auto"
-    fp16_loss_scale: float = 65536.0
+    fp16_loss_scale: float = 32768.0
     fp16_growth_interval: int = 2000
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     # CPU ids the compute thread, and the torch threads it starts, are kept on (empty: wherever the OS puts

@@ -2,11 +2,17 @@
 V100, T4, the cards volunteers and preemptible clouds have most of) train at its fp16 rate.
 
 fp16 holds values up to 65504, and gradients below about 6e-8 vanish in it. A replica computing in fp16
-multiplies the gradient it back-propagates by its loss scale S, and divides what comes out (its parameters'
-and its inputs' gradients, in fp32) by S before it keeps or sends any of it. The scale never leaves the
-replica: the trainer, the other stages and the stage's other replicas get and send gradients at their true
-size. So each replica keeps a scale of its own, replicas on fp16, bf16 and fp32 serve one stage together, a
-newcomer starts at the initial scale, and the stage's agreed state holds none.
+scales the gradient each backward starts from so that its largest value is about its loss scale S (the loss
+itself: times S), and divides what comes out (its parameters' and its inputs' gradients, in fp32) by the same
+factor before it keeps or sends any of it. The scale never leaves the replica: the trainer, the other stages
+and the stage's other replicas get and send gradients at their true size. So each replica keeps a scale of
+its own, replicas on fp16, bf16 and fp32 serve one stage together, a newcomer starts at the initial scale,
+and the stage's agreed state holds none.
+
+Scaling each incoming gradient to S by its own largest value (a power of two, so exactly) makes S track the
+stage's own gain, how much larger than its incoming gradient a backward's values grow, and not the size of
+what a caller sends: a gradient a thousand times larger, honest or not, runs at the same scale and costs no
+retry (a request's gradient norm is bounded, `server.max_grad_norm`, but far above an honest one's).
 
 A backward whose gradients overflowed (an inf or NaN among them, its forward finite) runs again through the
 same graph at half the scale before any of it is kept. torch's GradScaler skips the whole optimizer step
@@ -30,7 +36,7 @@ MIN_SCALE = 2.0**-24  # below it, halving cannot bring a gradient into fp16's ra
 class LossScale:
     """One replica's dynamic loss scale (powers of two, so scaling and unscaling are exact)."""
 
-    scale: float = 2.0**16
+    scale: float = 2.0**15  # (an incoming gradient's largest value scaled to 2**16 would be inf in fp16)
     growth_interval: int = 2000  # clean backwards in a row before the scale doubles
     clean: int = 0
     overflows: int = 0  # backwards run again at a smaller scale
@@ -57,25 +63,26 @@ class LossScale:
               wrt: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The gradients of `root` (`grad` back-propagated from it; None: `root` is the scalar loss) with
         respect to `wrt`, at their true size; None for a tensor the graph does not reach."""
-        forward_finite = bool(torch.isfinite(root).all())
+        if grad is not None:
+            grad = grad.to(root.device, torch.float32)
+            top = grad.abs().amax()
+            # a power of two above the gradient's largest value, read off its exponent (1 for a zero gradient)
+            unit = torch.ldexp(torch.ones_like(top), torch.frexp(top).exponent)
         while True:
-            if grad is None:
-                seeds = None
-                scaled_root = root * self.scale
-            else:
-                seeds = (grad.to(root.device, torch.float32) * self.scale).to(root.dtype)
-                scaled_root = root
+            factor = torch.full((), self.scale, device=root.device) / (1 if grad is None else unit)
+            scaled_root = root * factor if grad is None else root
+            seeds = None if grad is None else (grad * factor).to(root.dtype)
             grads = torch.autograd.grad(scaled_root, wrt, seeds, retain_graph=True, allow_unused=True)
             present = [g for g in grads if g is not None]
             found = torch.zeros(1, device=root.device)
             if present:
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    present, found, torch.full((1,), 1 / self.scale, device=root.device))
+                torch._amp_foreach_non_finite_check_and_unscale_(present, found, (1 / factor).reshape(1))
             if not found.item():
                 self.cleared()
                 return list(grads)
-            if not (forward_finite and self.overflowed()):
-                return list(grads)  # as an fp32 backward of a non-finite forward: the step's norm check skips it
+            finite = bool(torch.isfinite(root).all()) and (grad is None or bool(torch.isfinite(top)))
+            if not (finite and self.overflowed()):
+                return list(grads)  # as an fp32 backward of a non-finite input: the step's norm check skips it
 
 
 def backprop(scale: LossScale | None, root: torch.Tensor, grad: torch.Tensor | None, inputs: torch.Tensor,
