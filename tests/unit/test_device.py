@@ -30,6 +30,14 @@ def test_a_cpu_stage_computes_in_fp32_unless_bf16_is_asked_for() -> None:
     assert autocast_dtype("bf16", cpu) is torch.bfloat16
 
 
+def test_auto_picks_the_half_precision_a_gpus_tensor_cores_have() -> None:
+    """bf16 from Ampere (8.x) on, fp16 on Volta and Turing (7.x), whose bf16 torch only emulates, and
+    none on older cards, whose fp16 is mostly slower than their fp32."""
+    assert [fastest_half(major) for major in (9, 8, 7, 6, 5)] == [
+        torch.bfloat16, torch.bfloat16, torch.float16, None, None]
+    assert autocast_dtype("fp16", torch.device("cpu")) is torch.float16
+
+
 def test_results_leave_the_compute_thread_packed_on_the_host() -> None:
     """With the wire's policy, a stage hands back what its codec makes of the very output it computed:
     the same bytes as packing the plain result afterwards, already on the host."""
