@@ -97,6 +97,16 @@ def traffic_figures(traffic: Traffic) -> list[Figure]:
             for role, counts in traffic.as_dict().items() for direction, n in sorted(counts.items())]
 
 
+def loss_scale_figures(scale: Any | None) -> list[Figure]:
+    """A server computing in fp16 (`swarm.server.lossscale.LossScale`; None: it does not)."""
+    if scale is None:
+        return []
+    return [Figure("swarm_server_fp16_loss_scale", False, "the loss scale its fp16 backwards run at",
+                   float(scale.scale)),
+            Figure("swarm_server_fp16_overflows", True, "backwards run again at half the loss scale after an overflow",
+                   float(scale.overflows))]
+
+
 def peer_figures(role: str, record: Any | None, counters: dict[str, float], traffic: Traffic) -> list[Figure]:
     """A peer's metrics: its last record (None before it first announced), its counters, its bytes."""
     announced = record_figures(role, record) if record is not None else []

@@ -12,8 +12,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm.config import ConfigError, NetConfig, load_config
-from swarm.metrics import MetricsEndpoint, families, peer_figures
+from swarm.metrics import MetricsEndpoint, families, loss_scale_figures, peer_figures
 from swarm.net.protocol import Traffic
+from swarm.server.lossscale import LossScale
 from swarm.trainer.board import TrainerBoard
 from swarm.wire.records import ServerRecord, TrainerRecord
 
@@ -53,6 +54,12 @@ def test_a_server_exports_its_record_its_counters_and_its_bytes() -> None:
     assert m["swarm_wire_bytes_total[direction=received][role=activations]"] == 40
     assert m["swarm_wire_bytes_total[direction=received][role=allreduce]"] == 0
     assert not any(name.startswith("swarm_trainer") for name in m)
+
+
+def test_a_server_in_fp16_exports_its_loss_scale_and_its_overflows() -> None:
+    assert exposed(loss_scale_figures(LossScale(2.0**12, overflows=3))) == {
+        "swarm_server_fp16_loss_scale": 4096.0, "swarm_server_fp16_overflows_total": 3.0}
+    assert loss_scale_figures(None) == []
 
 
 def test_a_trainer_exports_samples_as_a_counter_and_no_loss_before_it_has_one() -> None:

@@ -26,7 +26,7 @@ from swarm.backup.keeper import BackupKeeper
 from swarm.config import ConfigMismatch, SwarmConfig, agreed, config_hash, describe_mismatch
 from swarm.exiting import STOP_MARGIN, on_stop_signals
 from swarm.looplag import LoopLag
-from swarm.metrics import Figure, MetricsEndpoint, peer_figures
+from swarm.metrics import Figure, MetricsEndpoint, loss_scale_figures, peer_figures
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
 from swarm.net.node import visible_addresses
@@ -296,7 +296,9 @@ class StageServer:
 
     def _figures(self) -> list[Figure]:
         record = self.announcer.record() if self.announcer is not None else None
-        return peer_figures("server", record, self.stage.counters if self.stage is not None else {}, self.traffic)
+        st = self.stage
+        return (peer_figures("server", record, st.counters if st is not None else {}, self.traffic)
+                + loss_scale_figures(st.runtime.loss_scale if st is not None else None))
 
     def _write_summary(self) -> None:
         st = self.stage
