@@ -138,6 +138,8 @@ def test_separate_hosts_train_by_the_readme_and_outlive_the_bootstrap(machines, 
     servers = {f"s{k}{r}": k for k in (0, 1) for r in "ab"}
     for name, stage in servers.items():
         m.start(name, "server", "--stage", str(stage), "--initial-peers", *peers)
+    for name in servers:  # the trainers come once the servers are up, in the README's order
+        m.addresses(name, "up on")
     for index in (0, 1):
         m.start(f"t{index}", "trainer", "--index", str(index), "--initial-peers", *peers,
                 behind_nat=BEHIND_NAT and index == 1)

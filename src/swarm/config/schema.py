@@ -195,6 +195,9 @@ class NetConfig:
 
     run_id: str = "swarm"  # namespaces every DHT key, so several runs can share one DHT
     initial_peers: tuple[str, ...] = ()  # multiaddrs printed by `swarm dht` or by any server
+    # seconds a starting peer keeps trying to reach its initial peers (a link just up, a bootstrap restarting)
+    # before it gives up and says so
+    join_timeout: float = 30.0
     # the address this peer listens on: all interfaces by default, so peers on other hosts can connect;
     # 127.0.0.1 keeps a peer reachable from its own host only
     host: str = "0.0.0.0"
@@ -238,6 +241,7 @@ class NetConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.run_id) and "." not in self.run_id, "net.run_id", "must be non-empty without '.'")
+        require(self.join_timeout >= 0, "net.join_timeout", f"must be >= 0, got {self.join_timeout}")
         require(self.announce_period > 0, "net.announce_period", "must be positive")
         require(
             self.record_ttl > self.announce_period,

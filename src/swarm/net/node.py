@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import hivemind
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetConfig
 from swarm.core.joining import judge_clock, judge_reachability
+from swarm.core.retry import backoff_delay
 from swarm.net.identity import DecodableValues, PeerSignatures, load_or_create, temporary_identity
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
@@ -25,6 +28,10 @@ from swarm.net.secret import SealedRecords, SwarmSecret, load_secret
 from swarm.net.storage import bound_dht_storage
 
 log = logging.getLogger(__name__)
+# what p2pd says when none of the initial peers could be connected to, and hivemind's DHT when none of them
+# answered its first ping
+UNREACHED = ("failed to connect to bootstrap peers", "none of the initial_peers responded to a ping")
+MIN_RETRY_DELAY = 0.5  # seconds between attempts at least
 
 
 class JoinError(ConnectionError):
@@ -44,36 +51,67 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
     bound_stream_messages()
     bound_dht_storage()
     secret = load_secret(net.secret_path)
+    return _join(net, lambda: _start(net, client_mode, secret))
+
+
+def _join(net: NetConfig, start: Callable[[], hivemind.DHT], rng: random.Random | None = None) -> hivemind.DHT:
+    """`start()`, again while none of the initial peers could be reached and `net.join_timeout` lasts (a peer
+    started with its network, or while the bootstrap restarts); any other failure at once."""
+    rng, attempt = rng or random.Random(), 0
+    give_up = time.monotonic() + net.join_timeout
+    while True:
+        try:
+            return start()
+        except (P2PDaemonError, RuntimeError) as e:
+            peers = ", ".join(net.initial_peers) or "none given"
+            unreached = bool(net.initial_peers) and any(words in str(e) for words in UNREACHED)
+            left = give_up - time.monotonic()
+            if not unreached and not isinstance(e, P2PDaemonError):
+                raise
+            if not unreached or left <= 0:
+                raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e
+            delay = min(left, max(MIN_RETRY_DELAY, backoff_delay(attempt, 1.0, 8.0, rng)))
+            log.warning("none of the initial peers could be reached (%s): trying again in %.1fs, for %.0fs more",
+                        peers, delay, left)
+            time.sleep(delay)
+            attempt += 1
+
+
+def _start(net: NetConfig, client_mode: bool, secret: SwarmSecret | None) -> hivemind.DHT:
+    """One attempt; a peer without a kept identity takes a fresh one each time (its daemon has read the
+    key, or failed, once it returns: the key then stays in memory only)."""
     if net.identity_path:
         path, key = Path(net.identity_path), load_or_create(Path(net.identity_path))
     else:
         path, key = temporary_identity()
     try:
-        dht = TiedDHT(
-            initial_peers=list(net.initial_peers),
-            host_maddrs=[listen_address(net)],
-            announce_maddrs=list(net.announce_addrs) or None,
-            identity_path=str(path),
-            check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
-            record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
-            use_relay=net.use_relay,
-            use_auto_relay=net.use_auto_relay,
-            client_mode=client_mode,
-            # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
-            # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
-            # before they expire, would only add stores and lookups that every DHT node serves
-            cache_nearest=0,
-            cache_refresh_before_expiry=0,
-            start=True,
-        )
-        dht.identity = key
-        return dht
-    except P2PDaemonError as e:
-        peers = ", ".join(net.initial_peers) or "none given"
-        raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e
+        return _started(net, client_mode, path, key, secret)
     finally:
-        if not net.identity_path:  # the daemon has read it (or failed): the key stays in memory only
+        if not net.identity_path:
             shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _started(net: NetConfig, client_mode: bool, path: Path, key: Ed25519PrivateKey,
+             secret: SwarmSecret | None) -> hivemind.DHT:
+    dht = TiedDHT(
+        initial_peers=list(net.initial_peers),
+        host_maddrs=[listen_address(net)],
+        announce_maddrs=list(net.announce_addrs) or None,
+        identity_path=str(path),
+        check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
+        record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
+        use_relay=net.use_relay,
+        use_auto_relay=net.use_auto_relay,
+        client_mode=client_mode,
+        # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
+        # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
+        # before they expire, would only add stores and lookups that every DHT node serves
+        cache_nearest=0,
+        cache_refresh_before_expiry=0,
+        start=True,
+    )
+    dht.identity = key
+    return dht
 
 
 def visible_addresses(dht: hivemind.DHT) -> list[str]:
