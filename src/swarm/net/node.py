@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import hivemind
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.p2p import P2P
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
@@ -63,11 +62,10 @@ def _join(net: NetConfig, start: Callable[[], hivemind.DHT], rng: random.Random 
         try:
             return start()
         except (P2PDaemonError, RuntimeError) as e:
-            peers = ", ".join(net.initial_peers) or "none given"
             unreached = bool(net.initial_peers) and any(words in str(e) for words in UNREACHED)
-            left = give_up - time.monotonic()
-            if not unreached and not isinstance(e, P2PDaemonError):
+            if not (unreached or isinstance(e, P2PDaemonError)):
                 raise
+            peers, left = ", ".join(net.initial_peers) or "none given", give_up - time.monotonic()
             if not unreached or left <= 0:
                 raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e
             delay = min(left, max(MIN_RETRY_DELAY, backoff_delay(attempt, 1.0, 8.0, rng)))
@@ -85,33 +83,28 @@ def _start(net: NetConfig, client_mode: bool, secret: SwarmSecret | None) -> hiv
     else:
         path, key = temporary_identity()
     try:
-        return _started(net, client_mode, path, key, secret)
+        dht = TiedDHT(
+            initial_peers=list(net.initial_peers),
+            host_maddrs=[listen_address(net)],
+            announce_maddrs=list(net.announce_addrs) or None,
+            identity_path=str(path),
+            check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
+            record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
+            use_relay=net.use_relay,
+            use_auto_relay=net.use_auto_relay,
+            client_mode=client_mode,
+            # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
+            # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
+            # before they expire, would only add stores and lookups that every DHT node serves
+            cache_nearest=0,
+            cache_refresh_before_expiry=0,
+            start=True,
+        )
+        dht.identity = key
+        return dht
     finally:
         if not net.identity_path:
             shutil.rmtree(path.parent, ignore_errors=True)
-
-
-def _started(net: NetConfig, client_mode: bool, path: Path, key: Ed25519PrivateKey,
-             secret: SwarmSecret | None) -> hivemind.DHT:
-    dht = TiedDHT(
-        initial_peers=list(net.initial_peers),
-        host_maddrs=[listen_address(net)],
-        announce_maddrs=list(net.announce_addrs) or None,
-        identity_path=str(path),
-        check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
-        record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
-        use_relay=net.use_relay,
-        use_auto_relay=net.use_auto_relay,
-        client_mode=client_mode,
-        # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
-        # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
-        # before they expire, would only add stores and lookups that every DHT node serves
-        cache_nearest=0,
-        cache_refresh_before_expiry=0,
-        start=True,
-    )
-    dht.identity = key
-    return dht
 
 
 def visible_addresses(dht: hivemind.DHT) -> list[str]:
