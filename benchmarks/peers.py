@@ -6,7 +6,9 @@
 Every run trains the same model (by default GPT d_model 512, 4 layers, 8 heads, d_ff 2048, cut into 2
 stages, seq_len 128) on the same text with the same microbatch (8) and optimizer step (64 samples), and
 is timed after a warm-up step. Scenarios, each run back to back so that its ratios share the machine's
-state, and repeated `--repeat` times (the medians of the ratios are printed last):
+state, and repeated `--repeat` times (the medians of the ratios are printed last). Repetition k starts from
+the scenario's k-th run and goes round: a machine that drifts over a repetition does not favour one run
+every time.
 
 - fault-free: the single process (`baseline()` of benchmarks/throughput.py, all cores in one process);
   GPipe and 1F1B (benchmarks/torchpipe.py: one process per stage, one thread each, gloo on 127.0.0.1,
@@ -24,7 +26,7 @@ state, and repeated `--repeat` times (the medians of the ratios are printed last
   stage-0 server) and one trainer, which with the DHT bootstrap peer runs outside the shares.
 - kill: the same four, one stage-1 peer SIGKILLed at the start of the third timed step. How torch's run
   ends is reported as its survivors saw it; the swarm's throughput from the kill to its end is compared
-  with a fault-free swarm of the servers that survive (2 + 1), run right after.
+  with a fault-free swarm of the servers that survive (2 + 1), run beside it.
 - gpu (where torch sees a CUDA device; skipped with a line saying so elsewhere): the fault-free model in
   one process on the GPU, and the local swarm with every server on that GPU (bf16 autocast and TF32,
   the servers' GPU defaults), its trainer a process of its own ("swarm") and inside the stage-0 server
@@ -90,6 +92,7 @@ FOUR = ["local.layout=[2, 2]", "trainer.max_inflight=12", f"local.server_cpus={C
 HOSTED = ["local.trainers_in_servers=true", "local.trainers_wait=false"]
 SLOWDOWN = 3.0
 KILL_AT = 2  # timed steps before the kill
+Runs = dict[str, Callable[[], dict]]  # a scenario's runs by name, each made when called
 
 
 def flops_per_sample(m: ModelConfig) -> float:
@@ -237,7 +240,7 @@ def warmed_up(run_dir: Path) -> float:
     return max(first.values())
 
 
-def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | None:
+def gpu(overrides: list[str], steps: int, run_dir: str) -> Runs | None:
     """The fault-free model on one GPU: the single process, and the swarm's servers all on that GPU
     (each with the servers' GPU defaults), with its trainer in a process of its own and inside the stage-0
     server's process (whose calls to that stage then skip the p2p daemon), and the latter again in fp16
@@ -246,11 +249,11 @@ def gpu(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict] | Non
         return None
     cfg = load_config(overrides=overrides)
     on_gpu = [*overrides, 'server.device="cuda"']
-    return {"single": {"samples_per_second": baseline(cfg, steps, "cuda")},
-            "swarm": swarm_run(on_gpu, steps, f"{run_dir}/swarm"),
-            "swarm+train": swarm_run([*on_gpu, *HOSTED], steps, f"{run_dir}/swarm+train"),
-            "swarm+train fp16": swarm_run([*on_gpu, *HOSTED, 'server.autocast="fp16"'], steps,
-                                          f"{run_dir}/swarm+train-fp16")}
+    return {"single": lambda: {"samples_per_second": baseline(cfg, steps, "cuda")},
+            "swarm": lambda: swarm_run(on_gpu, steps, f"{run_dir}/swarm"),
+            "swarm+train": lambda: swarm_run([*on_gpu, *HOSTED], steps, f"{run_dir}/swarm+train"),
+            "swarm+train fp16": lambda: swarm_run([*on_gpu, *HOSTED, 'server.autocast="fp16"'], steps,
+                                                  f"{run_dir}/swarm+train-fp16")}
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -293,34 +296,46 @@ def with_machine(run: Callable[[], dict], probe_seconds: float = 2.0) -> dict:
             "core_gflops": (before, core_gflops(probe_seconds))}
 
 
-def fault_free(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
+def fault_free(overrides: list[str], steps: int, run_dir: str) -> Runs:
     cfg = load_config(overrides=overrides)
-    results = {"single": with_machine(lambda: {"samples_per_second": baseline(cfg, steps)})}
-    for name in ("gpipe", "1f1b"):
-        results[name] = with_machine(lambda name=name: torch_pipeline(overrides, PipelineRun(name, steps)))
-    results["swarm"] = with_machine(lambda: swarm_run(overrides, steps, f"{run_dir}/swarm"))
-    results["swarm+train"] = with_machine(lambda: swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train"))
-    return results
+    return {"single": lambda: {"samples_per_second": baseline(cfg, steps)},
+            **{name: lambda name=name: torch_pipeline(overrides, PipelineRun(name, steps))
+               for name in ("gpipe", "1f1b")},
+            "swarm": lambda: swarm_run(overrides, steps, f"{run_dir}/swarm"),
+            "swarm+train": lambda: swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train")}
 
 
-def straggler(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
+def straggler(overrides: list[str], steps: int, run_dir: str) -> Runs:
     return {
-        "1f1b 2x2": with_machine(lambda: torch_pipeline(overrides, PipelineRun(
-            "1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN, cpus=CPU_PER_WORKER))),
-        "swarm 2x2": with_machine(lambda: swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"],
-                                                    steps, f"{run_dir}/swarm")),
+        "1f1b 2x2": lambda: torch_pipeline(overrides, PipelineRun(
+            "1f1b", steps, pipelines=2, slow_rank=0, slowdown=SLOWDOWN, cpus=CPU_PER_WORKER)),
+        "swarm 2x2": lambda: swarm_run([*overrides, *FOUR, f"local.slowdowns=[{SLOWDOWN}, 1, 1, 1]"],
+                                       steps, f"{run_dir}/swarm"),
     }
 
 
-def kill(overrides: list[str], steps: int, run_dir: str) -> dict[str, dict]:
-    ended = torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, kill_rank=3, kill_at=KILL_AT,
-                                                   cpus=CPU_PER_WORKER))
+def kill(overrides: list[str], steps: int, run_dir: str) -> Runs:
+    def torch_killed() -> dict:
+        ended = torch_pipeline(overrides, PipelineRun("1f1b", steps, pipelines=2, kill_rank=3, kill_at=KILL_AT,
+                                                       cpus=CPU_PER_WORKER))
+        return {"samples_per_second": 0.0, "ended": ended}
+
     return {
-        "1f1b 2x2": {"samples_per_second": 0.0, "ended": ended},
-        "swarm 2x2": with_machine(lambda: swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1)),
-        "swarm 2+1": with_machine(lambda: swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps,
-                                                    f"{run_dir}/swarm-2+1")),
+        "1f1b 2x2": torch_killed,
+        "swarm 2x2": lambda: swarm_run([*overrides, *FOUR], steps, f"{run_dir}/swarm", kill_stage=1),
+        "swarm 2+1": lambda: swarm_run([*overrides, *FOUR, "local.layout=[2, 1]"], steps,
+                                       f"{run_dir}/swarm-2+1"),
     }
+
+
+def in_turn(runs: Runs, turn: int, probe_seconds: float = 2.0) -> dict[str, dict]:
+    """Every run's result, in `runs`' order, the runs made starting from the `turn`-th (modulo their number):
+    a machine that slows or speeds up over a repetition would otherwise favour the same run every time. Each
+    result says what the machine did meanwhile (`with_machine`)."""
+    names = list(runs)
+    first = turn % len(names)
+    done = {name: with_machine(runs[name], probe_seconds) for name in names[first:] + names[:first]}
+    return {name: done[name] for name in names}
 
 
 SCENARIOS = {"fault-free": (fault_free, "1f1b"), "straggler": (straggler, "1f1b 2x2"),
@@ -390,10 +405,11 @@ def main() -> None:
     for repeat in range(1, args.repeat + 1):
         for name in names:
             # each run's logs and summaries kept apart, for a look at any of them afterwards
-            results = SCENARIOS[name][0](overrides, args.steps, f"{args.run_dir}/{name}-{repeat}")
-            if results is None:
+            runs = SCENARIOS[name][0](overrides, args.steps, f"{args.run_dir}/{name}-{repeat}")
+            if runs is None:
                 print(f"\n{name}: skipped, torch sees no CUDA device on this machine")
                 continue
+            results = in_turn(runs, repeat - 1)
             single = results.get("single", {}).get("samples_per_second", single)
             report(name, results, single, flops)
             for run, r in results.items():

@@ -77,3 +77,25 @@ def test_a_run_is_told_with_the_machines_steal_and_one_cores_speed_before_and_af
     assert result["samples_per_second"] == 1.0 and 0.0 <= result["steal"] < 1.0
     assert peers.cpu_jiffies()[1] > total
     assert all(speed > 0 for speed in result["core_gflops"]) and len(result["core_gflops"]) == 2
+
+
+def test_each_repetition_starts_from_another_run_and_results_keep_their_order() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import peers  # (a script beside the others, not a package)
+
+    made: list[str] = []
+
+    def run(name: str) -> peers.Callable[[], dict]:
+        return lambda: made.append(name) or {"samples_per_second": float(len(made))}
+
+    runs = {name: run(name) for name in ("single", "1f1b", "swarm")}
+    orders = []
+    for turn in range(4):
+        made.clear()
+        results = peers.in_turn(runs, turn, probe_seconds=0.01)
+        orders.append(list(made))
+        assert list(results) == ["single", "1f1b", "swarm"]
+        assert [results[name]["samples_per_second"] for name in made] == [1.0, 2.0, 3.0]
+        assert all("core_gflops" in r for r in results.values())
+    assert orders == [["single", "1f1b", "swarm"], ["1f1b", "swarm", "single"], ["swarm", "single", "1f1b"],
+                      ["single", "1f1b", "swarm"]]
