@@ -39,7 +39,8 @@ either differs between the runs of one scenario, so do their rates.
 
 Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
 against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
-the bootstrap peer and the launcher), read from /proc.
+the bootstrap peer and the launcher), read from /proc. Each torch run says the same of its ranks: their
+main threads, which compute and call gloo, against their other threads (gloo's and torch's own).
 
 Achieved GFLOP/s counts the model's training FLOPs per sample (matmuls and attention, forward and
 backward: 3x the forward) times samples/s; the single process's figure is the machine's limit.

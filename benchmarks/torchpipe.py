@@ -141,13 +141,16 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
     try:
         step()  # warm-up
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), (time.thread_time(), time.process_time())
         for i in range(run.steps):
             if rank == run.kill_rank and i == run.kill_at:
                 os.kill(os.getpid(), 9)
             step()
         dist.barrier()
-        result.update(seconds=time.perf_counter() - start, losses=losses_by_step)
+        # this thread computes (and waits on gloo); the rank's other threads are gloo's and torch's own
+        compute, everything = time.thread_time() - cpu[0], time.process_time() - cpu[1]
+        result.update(seconds=time.perf_counter() - start, losses=losses_by_step,
+                      cpu={"compute": compute, "other": everything - compute})
     except Exception as e:  # a lost peer: how the run ends is the result
         result.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", at=time.perf_counter() - start,
                       steps_done=len(losses_by_step) - 1 if losses_by_step else None,
@@ -191,6 +194,9 @@ def torch_pipeline(overrides: list[str], run: PipelineRun) -> dict:
         if any(codes):
             raise RuntimeError(f"torch pipeline ranks exited with {codes}")
         last = ranks[cfg.model.num_stages - 1]
+        cores = {"compute threads": sum(r["cpu"]["compute"] for r in ranks.values()) / last["seconds"],
+                 "ranks' other threads": sum(r["cpu"]["other"] for r in ranks.values()) / last["seconds"],
+                 "seconds": last["seconds"]}
         return {"samples_per_second": run.steps * cfg.optim.target_batch_size / last["seconds"],
-                "first_loss": last["losses"][0], "final_loss": last["losses"][-1]}
+                "first_loss": last["losses"][0], "final_loss": last["losses"][-1], "cores": cores}
     return {"exit_codes": codes, "hanging": hanging, "survivors": ranks, "run": asdict(run)}
