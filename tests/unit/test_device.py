@@ -14,7 +14,7 @@ from swarm.model import ComposedModel, load_stages
 from swarm.net import protocol
 from swarm.net.protocol import Tagged
 from swarm.net.servicer import StageServicer
-from swarm.server.device import autocast_dtype, fastest_half
+from swarm.server.device import autocast_dtype, cpu_bf16_hint, fastest_half
 from swarm.server.gradvec import gradient_vector
 from swarm.server.runtime import StageRuntime
 from swarm.wire.codecs import CODECS, Packed, Policy, decode, encode
@@ -28,6 +28,18 @@ def test_a_cpu_stage_computes_in_fp32_unless_bf16_is_asked_for() -> None:
     assert autocast_dtype("auto", cpu) is None
     assert autocast_dtype("none", cpu) is None
     assert autocast_dtype("bf16", cpu) is torch.bfloat16
+
+
+def test_a_cpu_with_amx_left_in_fp32_by_auto_is_told_what_bf16_would_give(tmp_path) -> None:
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    cpu = torch.device("cpu")
+    assert "bf16" in cpu_bf16_hint("auto", cpu, amx) and "AMX" in cpu_bf16_hint("auto", cpu, amx)
+    assert cpu_bf16_hint("auto", cpu, plain) is None  # (measured only on AMX: no claim without it)
+    assert cpu_bf16_hint("none", cpu, amx) is None and cpu_bf16_hint("bf16", cpu, amx) is None
+    assert cpu_bf16_hint("auto", torch.device("cuda"), amx) is None
+    assert cpu_bf16_hint("auto", cpu, tmp_path / "absent") is None
 
 
 def test_auto_picks_the_half_precision_a_gpus_tensor_cores_have() -> None:

@@ -39,7 +39,7 @@ from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
 from swarm.server.batching import Batcher
 from swarm.server.calibration import calibrate
-from swarm.server.device import resolve
+from swarm.server.device import cpu_bf16_hint, resolve
 from swarm.server.gate import ComputeGate
 from swarm.server.handlers import StageHandlers
 from swarm.server.moving import Mover, least_served_stage
@@ -244,6 +244,8 @@ class StageServer:
         st.serving = True
         log.info("stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
                  index, self.label, " ".join(visible_addresses(peer.dht)), st.runtime.epoch, cfg.server.device)
+        if hint := cpu_bf16_hint(cfg.server.autocast, st.runtime.device):
+            log.info("stage %d server %s: %s", index, self.label, hint)
         await announcer.announce()
         return StageJobs(st, batcher, announcer, transfer, stepper, mover)
 
