@@ -48,8 +48,8 @@ def cpu_bf16_hint(setting: str, device: torch.device, cpuinfo: Path = Path("/pro
         return None
     if "amx_bf16" not in flags.split():
         return None
-    return ('this CPU multiplies bf16 in hardware (AMX): server.autocast = "bf16" would run this stage about 2.5x '
-            "as fast; auto keeps fp32, whose replicas compare bit for bit with fp32 ones")
+    return ('this CPU multiplies bf16 in hardware (AMX): with server.autocast = "bf16" a stage ran 2.5x as fast '
+            "on one such CPU; auto keeps fp32, whose replicas compare bit for bit with fp32 ones")
 
 
 def resolve(device: torch.device) -> torch.device:
