@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_each_repetition_starts_from_another_run_and_results_keep_their_order() 
 
     made: list[str] = []
 
-    def run(name: str) -> peers.Callable[[], dict]:
+    def run(name: str) -> Callable[[], dict]:
         return lambda: made.append(name) or {"samples_per_second": float(len(made))}
 
     runs = {name: run(name) for name in ("single", "1f1b", "swarm")}

@@ -119,6 +119,8 @@ class StageServer:
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
+        if hint := cpu_bf16_hint(cfg.server.autocast, torch.device(cfg.server.device)):
+            log.info("server %s: %s", self.label, hint)  # once, not at every stage it enters
         try:
             self.metrics.start(self.peer.peer_id, cfg.server.name, self._figures)
             await self.peer.guard(self._serve_stages())
@@ -244,8 +246,6 @@ class StageServer:
         st.serving = True
         log.info("stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
                  index, self.label, " ".join(visible_addresses(peer.dht)), st.runtime.epoch, cfg.server.device)
-        if hint := cpu_bf16_hint(cfg.server.autocast, st.runtime.device):
-            log.info("stage %d server %s: %s", index, self.label, hint)
         await announcer.announce()
         return StageJobs(st, batcher, announcer, transfer, stepper, mover)
 
