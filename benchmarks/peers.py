@@ -1,6 +1,6 @@
 """The local swarm against its peers: one process, and torch's own pipeline schedules, on one model.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/peers.py [--scenario fault-free|straggler|kill|all]
+    PYTHONPATH=src .venv/bin/python benchmarks/peers.py [--scenario fault-free|straggler|kill|copies|all]
         [--repeat 3] [--steps N] [--set section.field=value ...]
 
 Every run trains the same model (by default GPT d_model 512, 4 layers, 8 heads, d_ff 2048, cut into 2
@@ -32,6 +32,10 @@ every time.
   the servers' GPU defaults), its trainer a process of its own ("swarm") and inside the stage-0 server
   ("swarm+train"), and that again in fp16 with the servers' loss scales ("swarm+train fp16", as a GPU
   without bf16 runs). Reference: the single process.
+- copies: torch 1F1B, and the fault-free swarm with its trainer apart and inside, each with the backup copies
+  its servers take of other stages by default (`backup.holders=1`: every few steps a stage's whole state
+  crosses the network) and without them (`backup.holders=0`: a stage that loses every replica starts
+  over, as torch's pipeline does). Reference: 1F1B. Not in `all`.
 
 Each run's line ends with what the machine did meanwhile: the share of its CPU time a virtual machine's host
 took for others (steal, from /proc/stat), and one core's matmul rate just before and just after the run. Where
@@ -306,6 +310,16 @@ def fault_free(overrides: list[str], steps: int, run_dir: str) -> Runs:
             "swarm+train": lambda: swarm_run([*overrides, *HOSTED], steps, f"{run_dir}/swarm+train")}
 
 
+def copies(overrides: list[str], steps: int, run_dir: str) -> Runs:
+    """1F1B against both fault-free swarms, each with its default durability and without it."""
+    runs = fault_free(overrides, steps, run_dir)
+    none = [*overrides, "backup.holders=0"]
+    return {"1f1b": runs["1f1b"], "swarm": runs["swarm"],
+            "swarm, no copies": lambda: swarm_run(none, steps, f"{run_dir}/swarm-no-copies"),
+            "swarm+train": runs["swarm+train"],
+            "swarm+train, no copies": lambda: swarm_run([*none, *HOSTED], steps, f"{run_dir}/swarm+train-no-copies")}
+
+
 def straggler(overrides: list[str], steps: int, run_dir: str) -> Runs:
     return {
         "1f1b 2x2": lambda: torch_pipeline(overrides, PipelineRun(
@@ -340,7 +354,7 @@ def in_turn(runs: Runs, turn: int, probe_seconds: float = 2.0) -> dict[str, dict
 
 
 SCENARIOS = {"fault-free": (fault_free, "1f1b"), "straggler": (straggler, "1f1b 2x2"),
-             "kill": (kill, "swarm 2+1"), "gpu": (gpu, "single")}
+             "kill": (kill, "swarm 2+1"), "gpu": (gpu, "single"), "copies": (copies, "1f1b")}
 
 
 def report(scenario: str, results: dict[str, dict], single: float | None, flops: float) -> None:
@@ -400,7 +414,7 @@ def main() -> None:
     print(f"GPT d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, {m.num_stages} stages, "
           f"seq_len {m.seq_len}; microbatch {cfg.trainer.microbatch_size}, step {cfg.optim.target_batch_size} "
           f"samples; {flops / 1e9:.2f} GFLOP per sample")
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    names = [n for n in SCENARIOS if n != "copies"] if args.scenario == "all" else [args.scenario]
     ratios: dict[tuple[str, str], list[float]] = {}
     single = None
     for repeat in range(1, args.repeat + 1):
