@@ -100,3 +100,22 @@ def test_each_repetition_starts_from_another_run_and_results_keep_their_order() 
         assert all("core_gflops" in r for r in results.values())
     assert orders == [["single", "1f1b", "swarm"], ["1f1b", "swarm", "single"], ["swarm", "single", "1f1b"],
                       ["single", "1f1b", "swarm"]]
+
+
+def test_the_copies_scenario_runs_each_swarm_with_its_copies_and_without(monkeypatch) -> None:
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import peers  # (a script beside the others, not a package)
+
+    started: dict[str, list[str]] = {}
+    monkeypatch.setattr(peers, "swarm_run", lambda overrides, steps, run_dir: started.setdefault(run_dir, overrides))
+    make, reference = peers.SCENARIOS["copies"]
+    runs = make(["model.n_layers=6"], 8, "/runs")
+    assert list(runs) == ["1f1b", "swarm", "swarm, no copies", "swarm+train", "swarm+train, no copies"]
+    assert reference in runs
+    for name in list(runs)[1:]:
+        runs[name]()
+    without = {d for d, o in started.items() if "backup.holders=0" in o}
+    hosted = {d for d, o in started.items() if set(peers.HOSTED) <= set(o)}
+    assert without == {"/runs/swarm-no-copies", "/runs/swarm+train-no-copies"}
+    assert hosted == {"/runs/swarm+train", "/runs/swarm+train-no-copies"}
+    assert all(o[0] == "model.n_layers=6" for o in started.values())
