@@ -33,8 +33,8 @@ every time.
   ("swarm+train"), and that again in fp16 with the servers' loss scales ("swarm+train fp16", as a GPU
   without bf16 runs). Reference: the single process.
 - copies: torch 1F1B, and the fault-free swarm with its trainer apart and inside, each with the backup copies
-  its servers take of other stages by default (`backup.holders=1`: every few steps a stage's whole state
-  crosses the network) and without them (`backup.holders=0`: a stage that loses every replica starts
+  its servers take of other stages by default (`backup.holders=1`: every `backup.every` steps a stage's whole
+  state crosses the network) and without them (`backup.holders=0`: a stage that loses every replica starts
   over, as torch's pipeline does). Reference: 1F1B. Not in `all`.
 
 Each run's line ends with what the machine did meanwhile: the share of its CPU time a virtual machine's host
@@ -52,6 +52,8 @@ backward: 3x the forward) times samples/s; the single process's figure is the ma
 Losses (first -> last): torch's, the mean over its warm-up step's microbatches and over its last step's;
 the swarm's, over its first and its last 20 microbatches (as its report gives them). Both sides clip each
 stage's gradient and warm the learning rate up alike (benchmarks/torchpipe.py steps as servers step).
+Each run also gives its loss step by step: torch's, the mean over each step's microbatches; the swarm's, the mean
+over the microbatches its last stage computed at each of its epochs (`losses_by_epoch`).
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
     fed = collected["_stopped_starting"] or since
     steady = [c for c in after if c[0] <= fed]
     result = {"first_loss": summary["first_loss"], "final_loss": summary["final_loss"],
+              "step_losses": losses_by_epoch(completed),
               "samples_per_second": sum(c[1] for c in after) / (after[-1][0] - since),
               "undrained_samples_per_second": sum(c[1] for c in steady) / (fed - since) if fed > since else None,
               "given_up": collected["microbatches_given_up"],
@@ -147,6 +150,18 @@ def swarm_run(overrides: list[str], steps: int, run_dir: str, kill_stage: int | 
             raise RuntimeError("the swarm ended before the kill")
         result["retries"], result["replays"] = summary["retries"], summary["replays"]
     return result
+
+
+def losses_by_epoch(completed: list) -> list[float]:
+    """The mean loss of the microbatches the last stage computed at each of its epochs (0: the initial weights),
+    as torch's runs give the mean loss of each step's microbatches: the two sides' learning, step by step.
+    `completed`: the trainers' completed microbatches (`swarm.ops.report.collect`), each [time, samples, loss,
+    epoch, id]."""
+    by_epoch: dict[int, list[float]] = {}
+    for c in completed:
+        by_epoch.setdefault(int(c[3]), []).append(float(c[2]))
+    epochs = range(max(by_epoch, default=-1) + 1)
+    return [statistics.fmean(by_epoch[e]) if e in by_epoch else float("nan") for e in epochs]
 
 
 def dht_ops(run_dir: Path) -> dict:
@@ -379,6 +394,8 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
             r["undrained_vs_ref"] = undrained / reference if reference else None
             print(f"{'':<12} {undrained:>10.2f}   until its trainer stopped starting microbatches: "
                   f"{r['undrained_vs_ref'] or 0:.3f} x the reference")
+        if r.get("step_losses"):
+            print(f"{'':<12} loss by step: " + " ".join(f"{v:.2f}" for v in r["step_losses"]))
         if r.get("cores"):
             cores = {k: v for k, v in r["cores"].items() if k != "seconds"}
             rest = sorted(((k, v) for k, v in cores.items() if k != "compute threads"), key=lambda kv: -kv[1])

@@ -198,5 +198,6 @@ def torch_pipeline(overrides: list[str], run: PipelineRun) -> dict:
                  "ranks' other threads": sum(r["cpu"]["other"] for r in ranks.values()) / last["seconds"],
                  "seconds": last["seconds"]}
         return {"samples_per_second": run.steps * cfg.optim.target_batch_size / last["seconds"],
-                "first_loss": last["losses"][0], "final_loss": last["losses"][-1], "cores": cores}
+                "first_loss": last["losses"][0], "final_loss": last["losses"][-1], "step_losses": last["losses"],
+                "cores": cores}
     return {"exit_codes": codes, "hanging": hanging, "survivors": ranks, "run": asdict(run)}

@@ -4,6 +4,7 @@ everything else a swarm runs."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import threading
@@ -119,3 +120,13 @@ def test_the_copies_scenario_runs_each_swarm_with_its_copies_and_without(monkeyp
     assert without == {"/runs/swarm-no-copies", "/runs/swarm+train-no-copies"}
     assert hosted == {"/runs/swarm+train", "/runs/swarm+train-no-copies"}
     assert all(o[0] == "model.n_layers=6" for o in started.values())
+
+
+def test_the_swarms_loss_by_step_is_the_mean_over_the_microbatches_each_epoch_computed() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import peers  # (a script beside the others, not a package)
+
+    completed = [[1.0, 8, 5.0, 0, "a"], [2.0, 8, 4.0, 1, "b"], [3.0, 8, 6.0, 0, "c"], [4.0, 8, 3.0, 3, "d"]]
+    losses = peers.losses_by_epoch(completed)
+    assert losses[:2] == [5.5, 4.0] and losses[3] == 3.0 and math.isnan(losses[2])
+    assert peers.losses_by_epoch([]) == []
