@@ -370,6 +370,7 @@ def in_turn(runs: Runs, turn: int, probe_seconds: float = 2.0) -> dict[str, dict
 
 SCENARIOS = {"fault-free": (fault_free, "1f1b"), "straggler": (straggler, "1f1b 2x2"),
              "kill": (kill, "swarm 2+1"), "gpu": (gpu, "single"), "copies": (copies, "1f1b")}
+IN_ALL = ("fault-free", "straggler", "kill", "gpu")  # what `--scenario all` runs
 
 
 def report(scenario: str, results: dict[str, dict], single: float | None, flops: float) -> None:
@@ -431,7 +432,7 @@ def main() -> None:
     print(f"GPT d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads, d_ff {m.d_ff}, {m.num_stages} stages, "
           f"seq_len {m.seq_len}; microbatch {cfg.trainer.microbatch_size}, step {cfg.optim.target_batch_size} "
           f"samples; {flops / 1e9:.2f} GFLOP per sample")
-    names = [n for n in SCENARIOS if n != "copies"] if args.scenario == "all" else [args.scenario]
+    names = list(IN_ALL) if args.scenario == "all" else [args.scenario]
     ratios: dict[tuple[str, str], list[float]] = {}
     single = None
     for repeat in range(1, args.repeat + 1):

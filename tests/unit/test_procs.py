@@ -22,6 +22,15 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 BURN = 0.3  # CPU seconds the named thread spends
 
 
+@pytest.fixture
+def peers():
+    """benchmarks/peers.py, a script beside the others rather than a package."""
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    import peers
+
+    return peers
+
+
 def test_a_named_threads_cpu_time_is_told_from_the_rest_of_the_process() -> None:
     burnt, release = threading.Event(), threading.Event()
 
@@ -56,10 +65,7 @@ def test_the_servers_compute_thread_carries_its_name() -> None:
     assert name.strip() == COMPUTE_THREAD
 
 
-def test_a_run_is_told_with_the_machines_steal_and_one_cores_speed_before_and_after() -> None:
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    import peers  # (a script beside the others, not a package)
-
+def test_a_run_is_told_with_the_machines_steal_and_one_cores_speed_before_and_after(peers) -> None:
     stolen, total = peers.cpu_jiffies()
     assert 0 <= stolen <= total
 
@@ -81,10 +87,7 @@ def test_a_run_is_told_with_the_machines_steal_and_one_cores_speed_before_and_af
     assert all(speed > 0 for speed in result["core_gflops"]) and len(result["core_gflops"]) == 2
 
 
-def test_each_repetition_starts_from_another_run_and_results_keep_their_order() -> None:
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    import peers  # (a script beside the others, not a package)
-
+def test_each_repetition_starts_from_another_run_and_results_keep_their_order(peers) -> None:
     made: list[str] = []
 
     def run(name: str) -> Callable[[], dict]:
@@ -103,16 +106,14 @@ def test_each_repetition_starts_from_another_run_and_results_keep_their_order() 
                       ["single", "1f1b", "swarm"]]
 
 
-def test_the_copies_scenario_runs_each_swarm_with_its_copies_and_without(monkeypatch) -> None:
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    import peers  # (a script beside the others, not a package)
-
+def test_the_copies_scenario_runs_each_swarm_with_its_copies_and_without(peers, monkeypatch) -> None:
     started: dict[str, list[str]] = {}
     monkeypatch.setattr(peers, "swarm_run", lambda overrides, steps, run_dir: started.setdefault(run_dir, overrides))
     make, reference = peers.SCENARIOS["copies"]
     runs = make(["model.n_layers=6"], 8, "/runs")
     assert list(runs) == ["1f1b", "swarm", "swarm, no copies", "swarm+train", "swarm+train, no copies"]
     assert reference in runs
+    assert "copies" not in peers.IN_ALL and set(peers.IN_ALL) <= set(peers.SCENARIOS)  # (`all` leaves it out)
     for name in list(runs)[1:]:
         runs[name]()
     without = {d for d, o in started.items() if "backup.holders=0" in o}
@@ -122,10 +123,7 @@ def test_the_copies_scenario_runs_each_swarm_with_its_copies_and_without(monkeyp
     assert all(o[0] == "model.n_layers=6" for o in started.values())
 
 
-def test_the_swarms_loss_by_step_is_the_mean_over_the_microbatches_each_epoch_computed() -> None:
-    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-    import peers  # (a script beside the others, not a package)
-
+def test_the_swarms_loss_by_step_is_the_mean_over_the_microbatches_each_epoch_computed(peers) -> None:
     completed = [[1.0, 8, 5.0, 0, "a"], [2.0, 8, 4.0, 1, "b"], [3.0, 8, 6.0, 0, "c"], [4.0, 8, 3.0, 3, "d"]]
     losses = peers.losses_by_epoch(completed)
     assert losses[:2] == [5.5, 4.0] and losses[3] == 3.0 and math.isnan(losses[2])
