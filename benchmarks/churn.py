@@ -42,6 +42,7 @@ from swarm.config.recipes import DEMO
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, SwarmStatus
 from swarm.ops.report import collect, plot, rate_between, read_steps
+from swarm.results import read_jsonl
 
 
 def _serving(peer) -> bool:
@@ -123,7 +124,7 @@ def _steps_lost(run_dir: Path, kill: float, stage: int) -> int | None:
     before = max((s["epoch"] for steps in read_steps(run_dir)[stage] for s in steps if s["time"] <= kill),
                  default=0)
     restores = sorted((load["time"], load["epoch"]) for path in run_dir.glob(f"peers/server-s{stage}-*.loads.jsonl")
-                      for load in map(json.loads, path.read_text().splitlines()) if load.get("restored")
+                      for load in read_jsonl(path) if load.get("restored")
                       and load["time"] > kill)
     return before - restores[0][1] if restores else None
 

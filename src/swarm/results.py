@@ -25,3 +25,13 @@ class PeerResults:
     def append(self, name: str, event: dict[str, Any]) -> None:
         with open(self.path(name), "a") as out:
             out.write(json.dumps(event) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines log (none if it does not exist), read while its peer may still be appending:
+    text after the last newline is a record still being written (a long one takes more than one write), left
+    for a later read."""
+    if not path.exists():
+        return []
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import time
@@ -17,6 +16,7 @@ from swarm.net.node import start_dht
 from swarm.net.transport import StageClient
 from swarm.ops.local import LocalSwarm
 from swarm.ops.report import read_steps, write_report
+from swarm.results import read_jsonl
 
 
 def small_config(run_dir: Path, *extra: str) -> SwarmConfig:
@@ -88,7 +88,7 @@ def assert_replicas_in_step(summary: dict, run_dir) -> None:
 def server_steps(run_dir, peer_id: str) -> list[dict]:
     """The steps one server logged."""
     path = next((run_dir / "peers").glob(f"server-s*-{peer_id[-8:]}.steps.jsonl"))
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def assert_states_equal(cfg, swarm: LocalSwarm) -> None:

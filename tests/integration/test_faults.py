@@ -15,6 +15,7 @@ from swarm.logs import logged_at
 from swarm.ops import netlab
 from swarm.ops.faults import FaultInjector
 from swarm.ops.local import LocalSwarm, Peer
+from swarm.results import read_jsonl
 
 from .helpers import assert_exactly_once, assert_replicas_in_step, finish, run_swarm, server_steps, small_config
 
@@ -68,7 +69,7 @@ def records_of(status, server: Peer) -> list:
 def steps_of(server: Peer) -> list[dict]:
     """The steps a server logged so far (also one that was killed)."""
     (path,) = server.log_path.parent.parent.glob(f"peers/server-s{server.stage}-*{short_id(server)[1:]}.steps.jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def waiting_at(failures: list[tuple[float, float]], moment: float) -> list[float]:

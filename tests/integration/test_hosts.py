@@ -17,6 +17,7 @@ import pytest
 
 from swarm.ops import netlab
 from swarm.ops.netlab import Host, NetLab
+from swarm.results import read_jsonl
 
 from .helpers import assert_exactly_once, assert_replicas_in_step
 
@@ -93,8 +94,7 @@ class Machines:
         return self.wait_for(f"{name}'s addresses", printed)
 
     def steps(self, name: str) -> list[dict]:
-        return [json.loads(line) for path in (self.root / name / "peers").glob("*.steps.jsonl")
-                for line in path.read_text().splitlines() if line.strip()]
+        return [step for path in (self.root / name / "peers").glob("*.steps.jsonl") for step in read_jsonl(path)]
 
     def stop(self) -> None:
         for proc in self.procs.values():

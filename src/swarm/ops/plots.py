@@ -5,7 +5,6 @@ Kept apart from the report so that matplotlib stays an optional extra: the repor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from swarm.ops.report import rate_between, read_moves  # noqa: E402
+from swarm.results import read_jsonl  # noqa: E402
 
 
 def plot(summary: dict[str, Any], run_dir: Path) -> None:
@@ -56,8 +56,7 @@ def plot(summary: dict[str, Any], run_dir: Path) -> None:
 
 
 def _faults(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "faults.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return read_jsonl(run_dir / "faults.jsonl")
 
 
 def _smooth(xs: list[float], n: int) -> list[float]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from swarm.net.directory import short
+from swarm.results import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -23,14 +24,14 @@ def read_steps(run_dir: Path, superseded: bool = True) -> dict[int, list[dict[st
     beyond the copy's epoch (lost with their replicas)."""
     paths = sorted((run_dir / "peers").glob("server-s*.steps.jsonl"))
     stage_of = {path: int(path.name.split("-")[1][1:]) for path in paths}
-    loads = {path: _jsonl(path.with_name(path.name.replace(".steps.", ".loads."))) for path in paths}
+    loads = {path: read_jsonl(path.with_name(path.name.replace(".steps.", ".loads."))) for path in paths}
     restores: dict[int, list[dict[str, Any]]] = {}
     for path in sorted((run_dir / "peers").glob("server-s*.loads.jsonl")):
         stage = int(path.name.split("-")[1][1:])
-        restores.setdefault(stage, []).extend(load for load in _jsonl(path) if load.get("restored"))
+        restores.setdefault(stage, []).extend(load for load in read_jsonl(path) if load.get("restored"))
     steps: dict[int, list[dict[str, Any]]] = {}
     for path in paths:
-        records = _jsonl(path)
+        records = read_jsonl(path)
         if not superseded:
             lost = restores.get(stage_of[path], [])
             records = [r for r in records
@@ -40,14 +41,10 @@ def read_steps(run_dir: Path, superseded: bool = True) -> dict[int, list[dict[st
     return steps
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def read_moves(run_dir: Path) -> list[dict[str, Any]]:
     """Every move of a server between stages (see the server's rebalancing), oldest first."""
     paths = (run_dir / "peers").glob("moves-*.jsonl")
-    moves = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    moves = [move for path in paths for move in read_jsonl(path)]
     return sorted(moves, key=lambda m: m["time"])
 
 
