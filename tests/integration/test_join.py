@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 import pytest
@@ -35,7 +36,10 @@ def test_a_newcomer_measures_its_clock_against_the_swarm_and_is_dialled_back(tmp
                 await join(0.0, serving=True)  # in step, and reachable on loopback: nothing to say
                 assert not caplog.records
                 await join(-1.2)
-                assert "1.2" in caplog.text and "behind the swarm's" in caplog.text
+                said = re.search(r"clock is ([\d.]+)s \(±([\d.]+)s\) behind the swarm's", caplog.text)
+                assert said, caplog.text
+                offset, spread = map(float, said.groups())  # measured over RPCs: the half round trip bounds it
+                assert abs(offset - 1.2) <= spread + 0.01, caplog.text
             with pytest.raises(JoinError, match=r"ahead of the swarm's.*net.max_clock_offset=2.0s"):
                 await join(10.0)
 
