@@ -120,10 +120,10 @@ def test_a_huge_declared_block_is_refused_before_any_allocation() -> None:
     for block in (MAX_BLOCK + 1, 1 << 29, 1 << 31):
         packed = Packed({"codec": "blockwise8", "shape": [1], "dtype": "float32", "block": block},
                         [torch.ones(1, dtype=torch.int8), torch.ones(1)])
-        started = time.perf_counter()
+        started = time.thread_time()  # (this thread's CPU: a loaded machine's stalls do not count)
         with pytest.raises(BadRequest, match="block size"):
             decode(packed)
-        assert time.perf_counter() - started < 0.1
+        assert time.thread_time() - started < 0.1
 
 
 def test_a_block_larger_than_the_tensor_round_trips() -> None:

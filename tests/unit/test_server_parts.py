@@ -163,7 +163,7 @@ def test_a_forward_that_would_outwait_its_callers_timeout_is_turned_away_at_once
         gate = ComputeGate(1.0, False)
         handlers, st = served(1, gate)
         await gate.run(time.sleep, 0.2, work="forward", samples=1)  # about 0.2 s a sample
-        await handlers.forward(call(req="alone", timeout=0.01), last_stage_request(), ID["caller"])
+        await handlers.forward(call(req="alone", timeout=0.1), last_stage_request(), ID["caller"])
         holder, release = await _hold_thread(gate, samples=100)  # about 20 s of work in progress
         with pytest.raises(Unavailable, match=r"busy: about \d+s of work queued ahead, past the call.s 5s timeout"):
             await handlers.forward(call(req="hurried", timeout=5.0), last_stage_request(), ID["caller"])

@@ -225,9 +225,9 @@ class LocalSwarm:
             args.append(f'net.host="{host.ip}"')
         return self._spawn("server", name, args, stage, host=host, slowdown=slowdown)
 
-    def add_trainer(self, index: int) -> Peer:
+    def add_trainer(self, index: int, overrides: tuple[str, ...] = ()) -> Peer:
         name = f"trainer-{index}"
-        overrides = [self._peers_override(), f"trainer.index={index}"]
+        overrides = [self._peers_override(), f"trainer.index={index}", *overrides]
         host = self._host(name) if self.cfg.local.netns else None
         if host is not None:
             overrides.append(f'net.host="{host.ip}"')
