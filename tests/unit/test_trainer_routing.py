@@ -8,7 +8,6 @@ import random
 import time
 from collections import Counter
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ import torch
 from swarm.config import agreed, config_hash, load_config
 from swarm.core.routing import LATENCY_ALPHA, MAX_LATENCY_RATIO, Candidate, awaiting_first_answer
 from swarm.net.transport import CallFailed
-from swarm.trainer import calls as caller_module
 from swarm.trainer.calls import StageCaller
 from swarm.trainer.view import LAPSE_MARGIN, SwarmView, until_next_view
 from swarm.wire.records import ServerRecord
@@ -31,7 +29,7 @@ def _trainer(routing: str, servers=(("a", 1.0), ("b", 3.0)), client=None, *overr
 
 class _FakeClient:
     """Answers each server's calls after that server's delay; servers in `failing` time out instead.
-    `clock` runs by the delays alone: a test whose calls follow one another times them by it (`timed_by`)
+    `clock` runs by the delays alone: a trainer whose calls follow one another is timed by it (`timing`)
     where a loaded machine's wall clock would add its stalls to whichever call they fell in."""
 
     def __init__(self, delays: dict[str, float]):
@@ -40,11 +38,9 @@ class _FakeClient:
         self.calls: Counter = Counter()
         self.clock = 0.0
 
-    def timed_by(self, monkeypatch) -> _FakeClient:
-        clocks = SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
-        clocks.perf_counter = lambda: self.clock
-        monkeypatch.setattr(caller_module, "time", clocks)
-        return self
+    def timing(self, trainer: StageCaller) -> StageCaller:
+        trainer.clock = lambda: self.clock
+        return trainer
 
     async def call(self, peer, method, meta, tensors, timeout, unpack=True):
         self.calls[peer] += 1
@@ -70,9 +66,9 @@ def test_an_untried_server_counts_as_the_lower_median():
     assert Counter(trainer.pick(0, None) for _ in range(500)) == {"a": 100, "b": 300, "new": 100}
 
 
-def test_the_trainer_measures_each_server_from_its_calls_and_routes_around_a_slow_one(monkeypatch):
-    client = _FakeClient({"a": 0.002, "b": 0.002, "slow": 0.1}).timed_by(monkeypatch)
-    trainer = _trainer("wrr", (("a", 1.0), ("b", 1.0), ("slow", 1.0)), client)
+def test_the_trainer_measures_each_server_from_its_calls_and_routes_around_a_slow_one():
+    client = _FakeClient({"a": 0.002, "b": 0.002, "slow": 0.1})
+    trainer = client.timing(_trainer("wrr", (("a", 1.0), ("b", 1.0), ("slow", 1.0)), client))
 
     async def calls() -> None:
         for i in range(6):
@@ -89,11 +85,11 @@ def test_the_trainer_measures_each_server_from_its_calls_and_routes_around_a_slo
     assert abs(picks["a"] - picks["b"]) <= 1, picks
 
 
-def test_a_server_that_answered_then_times_out_loses_its_weight(monkeypatch):
+def test_a_server_that_answered_then_times_out_loses_its_weight():
     """It announces 10^6 (credited 4 x 1), answers once, then times out: each timeout counts as the call's
     whole timeout, it is banned (as before), and once the ban is over it gets a small share."""
-    client = _FakeClient({"honest": 0.002, "liar": 0.002}).timed_by(monkeypatch)
-    trainer = _trainer("wrr", (("honest", 1.0), ("liar", 1e6)), client, "trainer.ban_seconds=0.0")
+    client = _FakeClient({"honest": 0.002, "liar": 0.002})
+    trainer = client.timing(_trainer("wrr", (("honest", 1.0), ("liar", 1e6)), client, "trainer.ban_seconds=0.0"))
     answered: list[float] = []  # the liar's figure after its one answer (about 1: as fast as the stage)
 
     async def calls() -> None:
@@ -217,11 +213,11 @@ def test_backwards_owed_to_a_server_count_in_its_load_until_they_are_sent():
     assert Counter(trainer.pick(0, None) for _ in range(100)) == {"a": 50, "b": 50}
 
 
-def test_a_server_is_measured_per_request_it_served_not_per_call(monkeypatch):
+def test_a_server_is_measured_per_request_it_served_not_per_call():
     """Routing keeps a fast server busy, so its calls wait behind ours: five times as long with four of
     ours ahead, as long as a server five times slower takes idle. It must not read as slow for that."""
-    client = _FakeClient({"busy": 0.05, "idle": 0.01, "slow": 0.05}).timed_by(monkeypatch)
-    trainer = _trainer("wrr", (("busy", 1.0), ("idle", 1.0), ("slow", 1.0)), client)
+    client = _FakeClient({"busy": 0.05, "idle": 0.01, "slow": 0.05})
+    trainer = client.timing(_trainer("wrr", (("busy", 1.0), ("idle", 1.0), ("slow", 1.0)), client))
 
     async def calls() -> None:
         for i in range(8):

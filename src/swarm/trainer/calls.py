@@ -86,6 +86,7 @@ class StageCaller:
         self.retries = 0
         self.inputs_resent = 0  # backwards sent again with their inputs, which the forward's server had dropped
         self.call_seconds: dict[str, float] = {}  # "stage/method" -> time spent waiting on such calls
+        self.clock: Callable[[], float] = time.perf_counter  # what a call's seconds are read from
 
     def pick(self, stage: int, prefer: str | None) -> str | None:
         now = time.monotonic()
@@ -189,7 +190,7 @@ class StageCaller:
         # fast server that routing keeps busy answers as late as a slow idle one, and must not look slow
         per_request = 1 + self._ahead(call.stage, peer, method)
         self.inflight[peer] = self.inflight.get(peer, 0) + 1
-        started = time.perf_counter()
+        started = self.clock()
         waiting = asyncio.ensure_future(
             self.client.call(peer, method, call.to_meta(), _tagged(call.stage, method, tensors), call.timeout,
                              unpack=False))
@@ -208,7 +209,7 @@ class StageCaller:
             self.inflight[peer] -= 1
             if (ended := self._ended.pop(call.stage, None)) is not None:
                 ended.set()
-            elapsed = time.perf_counter() - started
+            elapsed = self.clock() - started
             key = f"{call.stage}/{method}"
             self.call_seconds[key] = self.call_seconds.get(key, 0.0) + elapsed
         self.latency[call.stage, method].observe(elapsed)
