@@ -376,6 +376,33 @@ def test_the_stages_records_are_read_twice_a_period_only_near_the_step(near: boo
     assert directory.fresh == ([LOOK_EVERY / 2] * 2 if twice else [CFG.net.announce_period])
 
 
+def test_after_a_step_the_stage_is_read_at_every_look_until_the_rounds_other_members_show_it() -> None:
+    """The members of the round that took us to our epoch stepped as we did and announce it at once, but a
+    read begun before our step still shows them a step behind, and the next one a period later held the
+    stage's next step back that long: the stage stepped on several times its batch while the other stages
+    stepped at theirs. Until they are seen at our epoch, no read begun before the step serves, and the
+    stage is read at every look; once they are, as any replica beside others far from its step."""
+    mate = SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)
+    directory = _Directory([], [mate])
+
+    async def scenario() -> list[int]:
+        st, stepper = stepper_reading(directory)
+        stepper._stepped_at = time.monotonic() - 0.1
+        st.plan = replace(st.plan, groupmates=(st.runtime.epoch, frozenset({"QmMate"})),
+                          peers_at_epoch=(st.runtime.epoch, frozenset()))
+        reads = []
+        for seen in (frozenset(), frozenset({"QmMate"})):
+            st.plan = replace(st.plan, peers_at_epoch=(st.runtime.epoch, seen))
+            stepper._records_read = (time.monotonic() - LOOK_EVERY - 0.01, [mate])
+            await stepper._records()
+            reads.append(directory.reads["stage"])
+        return reads
+
+    assert asyncio.run(scenario()) == [1, 1]
+    assert LOOK_EVERY / 2 > 0.2  # (near a step, a read up to LOOK_EVERY / 2 old would serve)
+    assert len(directory.fresh) == 1 and directory.fresh[0] < 0.2  # only one begun since the step
+
+
 @pytest.mark.parametrize("handed", [False, True])
 def test_a_replica_alone_reads_its_stage_as_often_as_records_are_renewed(handed: bool) -> None:
     """With no other replica in view nothing is decided from the stage's records: they are read every

@@ -82,6 +82,7 @@ class Stepper:
         self.rng = rng
         self._trainers_read: tuple[float, list[TrainerRecord]] = (-math.inf, [])
         self._records_read: tuple[float, list[ServerRecord]] = (-math.inf, [])
+        self._stepped_at = -math.inf  # (monotonic) when this replica last stepped: reads begun before are stale
         self._seen: set[str] = set()  # the stage's other replicas seen in its records (while the directory
         self._lapsed: frozenset[str] = frozenset()  # keeps their expiries), and those the last read showed lapsed
         self._failures = 0  # rounds failed in a row, for the backoff
@@ -122,6 +123,7 @@ class Stepper:
                     mates = frozenset(decision.group) - {self.peer_id}
                     st.plan = replace(st.plan, groupmates=(st.runtime.epoch, mates))
                 self._records_read = (-math.inf, [])  # the group's records moved on with it
+                self._stepped_at = time.monotonic()
                 self._failures = 0
                 self._strikes.clear()
         except WeightsDiverged as e:
@@ -200,18 +202,28 @@ class Stepper:
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
         near = ((others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
-                 and not self._heard_from_all(now)) or bool(self.stage.handed_now()))
+                 and not self._heard_from_all(now)) or bool(self.stage.handed_now()) or self._mates_unseen())
         every = LOOK_EVERY if near else self.net.announce_period * (1 if others else RENEW_PERIODS)
         asked = self.stage.asked_by_unseen > self._records_read[0]
         if now - self._records_read[0] >= every or asked:
-            found, began = await self.directory.read_stages(
-                [self.stage.index], fresh=0.0 if asked else every / 2 if near else every)
+            fresh = 0.0 if asked else every / 2 if near else every
+            found, began = await self.directory.read_stages(  # (a read begun before our step is stale)
+                [self.stage.index], fresh=min(fresh, now - self._stepped_at))
             records = found[self.stage.index]
             listed = {r.peer_id for r in records}
             self._seen = {p for p in self._seen | listed if p in self.directory.expires and p != self.peer_id}
             self._lapsed = lapsed_in(self.directory.expires, self._seen, listed, began)
             self._records_read = (now, records)
         return self._records_read[1]
+
+    def _mates_unseen(self) -> bool:
+        """Whether the other members of the round that took us to our epoch are not yet seen there. They
+        stepped as we did and announce it at once; until their records show it, nothing decides the stage's
+        next step, and a read a whole period away would hold that step back as long (the stage then steps
+        on several times the samples it is set to, while the other stages step at their size)."""
+        epoch, mates = self.stage.plan.groupmates
+        seen_epoch, seen = self.stage.plan.peers_at_epoch
+        return epoch == self.stage.runtime.epoch and bool(mates) and not (seen_epoch == epoch and mates <= seen)
 
     def _heard_from_all(self, now: float) -> bool:
         """Whether every replica last seen at our epoch told us its count within the last period (`count`
