@@ -197,7 +197,8 @@ class Stepper:
         (and read at every look until it is at our epoch), any other is seen within those periods, inside
         the grace a replica gives others to show up before it steps alone. A round proposed to us since our
         last read, with replicas that read did not show, has the stage read again whatever the interval
-        (see `swarm.core.stepping.unseen_in`)."""
+        (see `swarm.core.stepping.unseen_in`). After a step no read begun before it serves, and until the
+        round's other members show our epoch the stage is read as near its step (`_mates_unseen`)."""
         now = time.monotonic()
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
