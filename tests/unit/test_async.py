@@ -60,7 +60,7 @@ def test_each_microbatch_is_a_local_adamw_update_on_its_mean_gradient() -> None:
     assert rt.version == 1 and rt.epoch == 0
     assert rt.pending == {"mb": 3} and rt.pending_samples == 3  # held until the stage averages it
     assert not gradient_vector(rt.params).any()  # nothing waits in p.grad for a step
-    assert rt.staleness == {0: 1}
+    assert rt.staleness.counts == {0: 1}
 
 
 def test_a_late_backward_is_the_gradient_at_the_weights_its_forward_saw() -> None:
@@ -87,7 +87,7 @@ def test_a_late_backward_is_the_gradient_at_the_weights_its_forward_saw() -> Non
     assert (rt.fast_backwards, rt.recomputed_backwards) == (1, 1)
     assert_within(grad_in, old_grad_in, 1e-6)
     assert_within(flat(rt.params), flat(twin.params), 1e-6)
-    assert rt.staleness == {0: 1, 1: 1}
+    assert rt.staleness.counts == {0: 1, 1: 1}
 
 
 def two_replicas(optim: OptimConfig = ASYNC) -> tuple[StageRuntime, StageRuntime]:

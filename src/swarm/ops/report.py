@@ -154,8 +154,9 @@ def wire_summary(peers: list[dict[str, Any]], samples: int) -> dict[str, Any]:
 
 
 def staleness_summary(servers: list[dict[str, Any]]) -> dict[str, Any]:
-    """How many weight updates each gradient came after the forward it belongs to, per stage and over
-    the run: a histogram and its mean, median, 90th percentile and maximum (all 0 in sync mode)."""
+    """How many weight updates each gradient came after the forward it belongs to, as the update that
+    took it in found it (`swarm.server.staleness`), per stage and over the run: a histogram and its mean,
+    median, 90th percentile and maximum."""
     by_stage: dict[int, Counter[int]] = {}
     for s in servers:
         by_stage.setdefault(s["stage"], Counter()).update({int(k): n for k, n in s.get("staleness", {}).items()})

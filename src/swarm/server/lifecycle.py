@@ -324,7 +324,7 @@ class StageServer:
             "mode": self.cfg.optim.mode,
             "reply_delay": self.cfg.server.reply_delay,
             # local updates between each gradient's forward and its application -> gradients
-            "staleness": {str(k): n for k, n in sorted(rt.staleness.items())},
+            "staleness": {str(k): n for k, n in sorted(rt.staleness.counts.items())},
             # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
             "ledger": {str(e): ids for e, ids in rt.book.steps().items()},
             "throughput": st.work.meter.rate,

@@ -42,6 +42,7 @@ from swarm.server.graphs import REPLACED, KeptGraphs
 from swarm.server.lossscale import LossScale, backprop
 from swarm.server.nag import stage_optimizer
 from swarm.server.records import BatchGraph, StepPart, StepRecord
+from swarm.server.staleness import Staleness
 from swarm.server.stash import KeptWeights
 from swarm.server.state_io import Lender, StateLayout, export_state, import_state, unshare
 from swarm.server.weights_hash import digest
@@ -82,7 +83,7 @@ class StageRuntime:
         self.recomputed: Counter[str] = Counter()  # backwards recomputed, by why no kept graph served
         self.version = 0  # changes of the weights: steps, local updates, averaging rounds
         self.kept = KeptWeights(self.params, lambda: self.version)  # sync: weights overtaken graphs ran at
-        self.staleness: dict[int, int] = {}  # updates between a gradient's forward and its application -> count
+        self.staleness = Staleness(at_backward=self.asynchronous)
         agreed = partial(averaged, self.params, self.optimizer)  # async: the tensors replicas average, and
         self.averaging = Anchor(agreed, self.unshare) if self.asynchronous else None  # as the last round left them
         self.lent = Lender()  # the state's tensors as `state` handed them out (see unshare)
@@ -106,8 +107,7 @@ class StageRuntime:
 
     def _hold(self, req_id: str, samples: int, version: int) -> None:
         self.book.hold(req_id, samples)
-        stale = self.version - version
-        self.staleness[stale] = self.staleness.get(stale, 0) + 1
+        self.staleness.held(req_id, version, self.version)
 
     # ---- compute -------------------------------------------------------------------------------
 
@@ -337,6 +337,7 @@ class StageRuntime:
         lr = self.lr()
         if any(g.version == self.version for g in self.graphs.values()):
             self.kept.keep()  # forwards at these weights still wait for their backwards
+        self.staleness.applied(taken, self.version, self.pending.keys() - set(taken))
         norm = self._optimizer_step()
         # commit, unpend, then move the epoch: a ledger read meanwhile (network thread) finds each microbatch
         self.book.commit(ids, self.epoch + 1)
