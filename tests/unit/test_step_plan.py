@@ -167,6 +167,25 @@ def test_a_proposal_is_accepted_only_for_our_epoch_with_us_and_everyone_we_know_
     assert not accept_proposal(PlanMemory(), "me", 3, 3, ("b", "c", "me"))
 
 
+def test_the_members_of_the_round_that_took_us_to_our_epoch_may_propose_the_next_before_we_read_them():
+    """Right after a step our plan has seen no one at the new epoch; a groupmate whose samples came first
+    proposes the next round at once. Its round goes ahead, and no one else gets in with it."""
+    _, memory = looks(view(0.0, Replica("b", 3, 4), Replica("c", 3, 4), pending=4))
+    memory = replace(memory, groupmates=(4, frozenset({"b", "c"})))  # the round for epoch 3 took us to 4
+    assert accept_proposal(memory, "me", 4, 4, ("b", "c", "me"))
+    assert unseen_in(memory, "me", 4, 4, ("b", "c", "me")) == frozenset()
+    assert not accept_proposal(memory, "me", 4, 4, ("b", "c", "me", "outsider"))
+    assert unseen_in(memory, "me", 4, 4, ("b", "c", "me", "outsider")) == {"outsider"}
+    assert accept_proposal(memory, "me", 4, 4, ("b", "me"))  # c may not have stepped: it is not known at 4
+    assert not accept_proposal(memory, "me", 5, 5, ("b", "c", "me"))  # groupmates of another epoch
+    assert not accept_proposal(replace(memory, groupmates=(4, frozenset())), "me", 4, 4, ("b", "c", "me"))
+    # once our plan has seen a replica at this epoch, a round that leaves it out is refused
+    _, looked = looks(view(1.0, Replica("b", 4, 4), Replica("c", 4, 4), Replica("d", 4, 4), pending=4, epoch=4),
+                      memory=memory)
+    assert not accept_proposal(looked, "me", 4, 4, ("b", "c", "me"))
+    assert accept_proposal(looked, "me", 4, 4, ("b", "c", "d", "me"))
+
+
 def test_the_members_of_a_proposal_our_plan_has_not_seen_are_named_only_where_nothing_else_is_amiss():
     """They are why the stage is read again before the plan decides (a replica that announced itself
     since the last read); a proposal refused for another reason reads nothing."""

@@ -224,23 +224,34 @@ def unproven(memory: PlanMemory, claims: Mapping[str, int], until: float) -> Pla
 def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> bool:
     """Whether to join a round a groupmate began: for our epoch, with us in it, none of our suspects, no
     replica left out that we know is at this epoch (its samples would be dropped later), and no member we
-    have not seen at this epoch in the stage's records (a peer outside the stage must not get in). Until
-    our plan has looked at this epoch, a proposal waits: the proposer retries."""
-    if not _for_us(memory, me, epoch, proposed_epoch, group):
+    do not know at this epoch (a peer outside the stage must not get in). We know at our epoch the replicas
+    the stage's records showed there, and the other members of the round that took us to it: they stepped
+    with us, and one of them proposing the next round before our plan has read their new records (its
+    samples came first) would otherwise fail that round and wait out a backoff. Until our plan knows
+    anyone at this epoch, a proposal waits: the proposer retries."""
+    if not _for_us(memory, me, epoch, proposed_epoch, group) or len(set(group) - {me}) == 0:
         return False
     seen_epoch, seen = memory.peers_at_epoch
-    return seen_epoch == epoch and seen == set(group) - {me}
+    left_out = seen - set(group) if seen_epoch == epoch else frozenset()
+    return not left_out and not _unknown(memory, me, epoch, group)
 
 
 def unseen_in(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> frozenset[str]:
-    """The members of a proposed round for our epoch that our plan has not seen at it, where nothing else
+    """The members of a proposed round for our epoch that our plan does not know at it, where nothing else
     in the proposal is amiss: a replica that announced itself since our last read of the stage, whose round
     we would refuse, and then step without it (its samples dropped when it catches up), unless we read
     the stage again before our plan decides."""
     if not _for_us(memory, me, epoch, proposed_epoch, group):
         return frozenset()
+    return _unknown(memory, me, epoch, group)
+
+
+def _unknown(memory: PlanMemory, me: str, epoch: int, group: tuple[str, ...]) -> frozenset[str]:
+    """The members of `group` other than us that neither the stage's records nor our last round put at `epoch`."""
     seen_epoch, seen = memory.peers_at_epoch
-    return frozenset(group) - {me} - (seen if seen_epoch == epoch else frozenset())
+    mates_epoch, mates = memory.groupmates
+    known = (seen if seen_epoch == epoch else frozenset()) | (mates if mates_epoch == epoch else frozenset())
+    return frozenset(group) - {me} - known
 
 
 def _for_us(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int, group: tuple[str, ...]) -> bool:

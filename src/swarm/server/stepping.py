@@ -119,9 +119,7 @@ class Stepper:
             if isinstance(decision, CatchUp):
                 await self._catch_up([r for r in records if r.peer_id in decision.sources])
             elif isinstance(decision, Step):
-                if await self._step(st.runtime.epoch, decision.group):
-                    mates = frozenset(decision.group) - {self.peer_id}
-                    st.plan = replace(st.plan, groupmates=(st.runtime.epoch, mates))
+                await self._step(st.runtime.epoch, decision.group)
                 self._records_read = (-math.inf, [])  # the group's records moved on with it
                 self._stepped_at = time.monotonic()
                 self._failures = 0
@@ -261,13 +259,15 @@ class Stepper:
         if not ours:
             await self.transfer.download([r for r in records if r.peer_id == keeper], force=True)
 
-    async def _step(self, epoch: int, group: tuple[str, ...]) -> bool:
-        """Whether the stage stepped (or averaged): not if the round did not open here."""
+    async def _step(self, epoch: int, group: tuple[str, ...]) -> None:
+        """Step (or average) with `group`, unless the round does not open here."""
         st = self.stage
         round_ = self._average_round if st.runtime.asynchronous else self._sync_round
         record = await round_(epoch, group)
         if record is None:
-            return False
+            return
+        # at once, before anything awaits: a groupmate may propose the next round as soon as it stepped
+        st.plan = replace(st.plan, groupmates=(st.runtime.epoch, frozenset(group) - {self.peer_id}))
         st.steps.append(record)
         self.results.append(self.steps_file, asdict(record))
         if record.group > 1 and st.checkpoints is None:  # with checkpoints, only the disk counts
@@ -285,7 +285,6 @@ class Stepper:
         await self.announcer.announce()
         if st.checkpoints is not None and record.epoch % self.checkpoint_every == 0:
             await self.transfer.checkpoint()
-        return True
 
     def _opens(self, epoch: int) -> bool:
         """Whether the round for `epoch` goes ahead (call with the gate held): not if this replica was
