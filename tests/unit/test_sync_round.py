@@ -452,3 +452,24 @@ def test_a_round_proposed_by_a_replica_the_last_read_missed_has_the_stage_read_a
         assert directory.reads["stage"] == 2
 
     asyncio.run(scenario())
+
+
+def test_a_round_a_groupmate_proposed_right_after_our_step_is_joined_without_reading_the_stage() -> None:
+    """The other member of the round that took us to our epoch proposes the next one before its new record
+    is read: the proposal is accepted, and the look that follows joins it without a read of the stage or of
+    the trainers, while the proposer's part waits on us."""
+    directory = _Directory([SimpleNamespace(done=False)], [SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)])
+
+    async def scenario() -> None:
+        st, stepper = stepper_reading(directory)
+        epoch = st.runtime.epoch
+        st.plan = replace(st.plan, groupmates=(epoch, frozenset({"QmMate"})), peers_at_epoch=(epoch - 1, frozenset()))
+        group = ("QmMate", "QmMe")
+        assert st.accept_proposal(epoch, group)
+        decision, _ = await stepper._look()
+        assert decision == Step(group)
+        assert directory.reads == {"trainers": 0, "stage": 0}
+        await stepper._look()  # with no proposal the stage is read as before
+        assert directory.reads["stage"] == 1
+
+    asyncio.run(scenario())

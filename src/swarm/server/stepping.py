@@ -164,10 +164,15 @@ class Stepper:
                                           time.monotonic() + DISTRUST_TTLS * self.net.record_ttl, None)
 
     async def _look(self) -> tuple[Decision, list[ServerRecord]]:
-        """Gather the view, ask the plan, remember what it says to remember."""
+        """Gather the view, ask the plan, remember what it says to remember. A round a groupmate proposed
+        for our epoch, which we accepted, the plan joins as it is: the stage is not read for it first, while
+        the proposer's part waits on us."""
         st = self.stage
-        records, trainers = await asyncio.gather(self._records(), self._trainers())
         proposal, st.proposal = st.proposal, None
+        if proposal is not None and proposal[0] == st.runtime.epoch:
+            records, trainers = self._records_read[1], self._trainers_read[1]
+        else:
+            records, trainers = await asyncio.gather(self._records(), self._trainers())
         # a note is fresher than the record only until the record's next renewal
         now, renewals = time.monotonic(), RENEW_PERIODS * self.net.announce_period
         told = {p: c for p, c in st.told_counts().items() if now - c[2] < renewals}
