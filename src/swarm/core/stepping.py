@@ -229,7 +229,7 @@ def accept_proposal(memory: PlanMemory, me: str, epoch: int, proposed_epoch: int
     with us, and one of them proposing the next round before our plan has read their new records (its
     samples came first) would otherwise fail that round and wait out a backoff. Until our plan knows
     anyone at this epoch, a proposal waits: the proposer retries."""
-    if not _for_us(memory, me, epoch, proposed_epoch, group) or len(set(group) - {me}) == 0:
+    if not _for_us(memory, me, epoch, proposed_epoch, group) or not set(group) - {me}:
         return False
     seen_epoch, seen = memory.peers_at_epoch
     left_out = seen - set(group) if seen_epoch == epoch else frozenset()

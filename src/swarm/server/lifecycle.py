@@ -323,7 +323,7 @@ class StageServer:
                                                         "overflows": rt.loss_scale.overflows},
             "mode": self.cfg.optim.mode,
             "reply_delay": self.cfg.server.reply_delay,
-            # local updates between each gradient's forward and its application -> gradients
+            # weight updates between each gradient's forward and the update that took it in -> gradients
             "staleness": {str(k): n for k, n in sorted(rt.staleness.counts.items())},
             # the stage's recent steps as this replica knows them (also those it loaded from a peer or disk)
             "ledger": {str(e): ids for e, ids in rt.book.steps().items()},
