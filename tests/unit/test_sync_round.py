@@ -473,3 +473,25 @@ def test_a_round_a_groupmate_proposed_right_after_our_step_is_joined_without_rea
         assert directory.reads["stage"] == 1
 
     asyncio.run(scenario())
+
+
+def test_a_failed_rounds_backoff_ends_when_a_groupmate_proposes_a_round_we_accept() -> None:
+    """After a stage's first round failed, the replica that refused it read the stage and proposed the round
+    itself; the proposal waited out the backoff of the replica whose round had failed. Joining it repeats
+    nothing of ours, so the backoff ends there; without one it lasts as long as it says."""
+    async def scenario() -> None:
+        st, stepper = stepper_reading(_Directory([]))
+        epoch, group = st.runtime.epoch, ("QmMate", "QmMe")
+        st.plan = replace(st.plan, peers_at_epoch=(epoch, frozenset({"QmMate"})))
+        started = time.monotonic()
+        await stepper._back_off(0.05)
+        assert time.monotonic() - started >= 0.05
+        waiting = asyncio.create_task(stepper._back_off(60.0))
+        await asyncio.sleep(0)  # (the backoff begins)
+        assert not waiting.done()
+        assert st.accept_proposal(epoch, group)
+        await asyncio.wait_for(waiting, 5.0)
+        await asyncio.wait_for(stepper._back_off(60.0), 5.0)  # one already accepted: no wait at all
+        assert st.proposal == (epoch, group)
+
+    asyncio.run(scenario())

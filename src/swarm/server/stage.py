@@ -99,6 +99,7 @@ class ServedStage:
         self.wake = asyncio.Event()  # the stage may be ready to step: look now
         self.plan = PlanMemory()  # what the step plan carries between looks
         self.proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began, accepted
+        self.proposed = asyncio.Event()  # set with `proposal`: it ends a failed round's backoff
         self.asked_by_unseen = -math.inf  # (monotonic) when a round was proposed with replicas our plan had not seen
         self.round_epoch: int | None = None  # the epoch whose step round is running
         self.durable_epoch = 0  # the newest epoch that outlives this replica (see the `ledger` handler)
@@ -139,6 +140,7 @@ class ServedStage:
                 self.wake.set()
             return False
         self.proposal = (epoch, group)
+        self.proposed.set()
         self.wake.set()
         return True
 

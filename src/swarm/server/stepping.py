@@ -13,6 +13,7 @@ the next step); an async round averages the replicas' weights while they go on s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -133,7 +134,19 @@ class Stepper:
             st.plan = suspect(st.plan, e.unreachable, time.monotonic() + self.net.record_ttl, st.runtime.epoch)
             self._strike(e.refused_by)
             log.warning("stage %d step %d round failed (%s); retrying", st.index, st.runtime.epoch + 1, e)
-            await asyncio.sleep(backoff_delay(self._failures, 0.2, 3.0, self.rng))
+            await self._back_off(backoff_delay(self._failures, 0.2, 3.0, self.rng))
+
+    async def _back_off(self, delay: float) -> None:
+        """Wait `delay` before our next round, unless a groupmate proposes one meanwhile and we accept it:
+        joining that round repeats nothing of ours. After a stage's first round failed (its members had not
+        yet read each other's records), the replica that refused read the stage and proposed the round
+        itself, which then waited out our backoff while its samples, and ours, piled up."""
+        st = self.stage
+        st.proposed.clear()
+        if st.proposal is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):  # (not wait_for: it can lose a cancellation)
+                    await st.proposed.wait()
 
     async def _catch_up(self, sources: list[ServerRecord]) -> None:
         """Download the state of a replica further along. Sources whose state the other replicas did not
