@@ -146,6 +146,9 @@ def test_separate_hosts_train_by_the_readme_and_outlive_the_bootstrap(machines, 
     if BEHIND_NAT:
         refused = m.start("natserver", "server", "--stage", "0", "--initial-peers", *peers, behind_nat=True)
     m.wait_for("3 steps on every server", lambda: all(len(m.steps(s)) >= 3 for s in servers))
+    # one trainer alone takes the stages through their first steps; the other may still be joining through the
+    # bootstrap (it loads the corpus first), and must be in before the bootstrap dies
+    m.wait_for("both trainers to join", lambda: all(" started: " in m.log(f"t{i}").read_text() for i in (0, 1)))
     if BEHIND_NAT:
         assert refused.wait(timeout=120) == 4
         text = m.log("natserver").read_text()

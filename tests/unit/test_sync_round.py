@@ -495,3 +495,24 @@ def test_a_failed_rounds_backoff_ends_when_a_groupmate_proposes_a_round_we_accep
         assert st.proposal == (epoch, group)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("case", ["waiting", "short", "past the grace"])
+def test_a_replica_alone_with_a_steps_samples_reads_at_every_look_while_it_waits_for_others(case: str) -> None:
+    """At a run's start a stage's replicas come up together and each first sees none of the others. One that
+    holds a step's samples waits out the grace for them before it steps alone, and only their records can
+    change that: it reads at every look meanwhile. Short of its samples, or alone past the grace (it steps
+    at once then), it reads as seldom as records are renewed."""
+    directory = _Directory([], [])
+
+    async def scenario() -> int:
+        st, stepper = stepper_reading(directory)
+        st.runtime.book.hold("mb", CFG.optim.target_batch_size - (case == "short"))
+        alone_for = stepper.grace + 1.0 if case == "past the grace" else 1.0
+        st.plan = replace(st.plan, alone_since=time.monotonic() - alone_for)
+        stepper._records_read = (time.monotonic() - LOOK_EVERY - 0.01, [])
+        await stepper._records()
+        assert LOOK_EVERY + 0.01 < RENEW_PERIODS * CFG.net.announce_period
+        return directory.reads["stage"]
+
+    assert asyncio.run(scenario()) == (1 if case == "waiting" else 0)

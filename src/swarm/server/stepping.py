@@ -211,7 +211,8 @@ class Stepper:
         A replica alone in view reads every RENEW_PERIODS periods, as often as records are renewed: nothing
         is decided from others' records then; a newcomer that loads our state is known from its download
         (and read at every look until it is at our epoch), any other is seen within those periods, inside
-        the grace a replica gives others to show up before it steps alone. A round proposed to us since our
+        the grace a replica gives others to show up before it steps alone; while it waits out that grace with a
+        step's samples in hand, it reads at every look (`_waiting_alone`). A round proposed to us since our
         last read, with replicas that read did not show, has the stage read again whatever the interval
         (see `swarm.core.stepping.unseen_in`). After a step no read begun before it serves, and until the
         round's other members show our epoch the stage is read as near its step (`_mates_unseen`)."""
@@ -219,7 +220,8 @@ class Stepper:
         others = any(r.peer_id != self.peer_id for r in self._records_read[1])
         # (a peer loading our state is waited for: its record, once it is at our epoch, is read as soon)
         near = ((others and self.stage.near_step(self.net.announce_period, self.target_batch_size)
-                 and not self._heard_from_all(now)) or bool(self.stage.handed_now()) or self._mates_unseen())
+                 and not self._heard_from_all(now)) or bool(self.stage.handed_now()) or self._mates_unseen()
+                or (not others and self._waiting_alone(now)))
         every = LOOK_EVERY if near else self.net.announce_period * (1 if others else RENEW_PERIODS)
         asked = self.stage.asked_by_unseen > self._records_read[0]
         if now - self._records_read[0] >= every or asked:
@@ -232,6 +234,15 @@ class Stepper:
             self._lapsed = lapsed_in(self.directory.expires, self._seen, listed, began)
             self._records_read = (now, records)
         return self._records_read[1]
+
+    def _waiting_alone(self, now: float) -> bool:
+        """Whether the step plan, seeing no other replica, holds a step's samples and waits out the grace for
+        one to show up. Only another replica's record can change what it decides then, and read every
+        RENEW_PERIODS periods that record came late: at a run's start, where the trainers were up before the
+        servers, a stage's two replicas each waited alone and took their first step on up to 19 times its
+        samples."""
+        return (0.0 <= now - self.stage.plan.alone_since < self.grace
+                and self.stage.runtime.pending_samples >= self.target_batch_size)
 
     def _mates_unseen(self) -> bool:
         """Whether the other members of the round that took us to our epoch are not yet seen there. They
