@@ -337,7 +337,7 @@ class StageRuntime:
         lr = self.lr()
         if any(g.version == self.version for g in self.graphs.values()):
             self.kept.keep()  # forwards at these weights still wait for their backwards
-        self.staleness.applied(taken, self.version, self.pending.keys() - set(taken))
+        self.staleness.applied(taken, self.version, self.pending)
         norm = self._optimizer_step()
         # commit, unpend, then move the epoch: a ledger read meanwhile (network thread) finds each microbatch
         self.book.commit(ids, self.epoch + 1)

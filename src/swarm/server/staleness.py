@@ -27,8 +27,8 @@ class Staleness:
             self._forwards[req_id] = forward_version
 
     def applied(self, ids: Iterable[str], version: int, pending: Collection[str]) -> None:
-        """A step at `version` took these microbatches' gradients in; `pending` is what stays held after it
-        (gradients dropped meanwhile, by a catch-up or a discard, are forgotten uncounted)."""
+        """A step at `version` took these microbatches' gradients in; `pending`: what the replica holds (those
+        no longer held, dropped by a catch-up or a discard, are forgotten uncounted)."""
         for req_id in ids:
             forward = self._forwards.pop(req_id, None)
             if forward is not None:
