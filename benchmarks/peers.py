@@ -227,21 +227,26 @@ class CpuSampler:
 
 def kind_of(pid: int) -> str:
     """A local swarm's process by role: 'server', 'trainer', 'launcher' (this process, which runs the swarm's
-    bootstrap peer), 'p2pd'; a DHT process hivemind forked from one of them is 'server DHT' etc."""
+    bootstrap peer); a DHT process hivemind forked from one of them is 'server DHT' etc., and a p2p daemon is
+    named for the process that started it ('server DHT p2pd'): the launcher's carries only the DHT's
+    traffic, a server's also its stage calls."""
     def command(p: int) -> list[bytes]:
         return Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+
+    def parent_of(p: int) -> int:
+        return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
     def role(p: int) -> str:
         if p == os.getpid():
             return "launcher"
         argv = command(p)
-        if b"p2pd" in argv[0]:
-            return "p2pd"
         roles = [r.decode() for r in (b"server", b"trainer") if r in argv]
         return roles[0] if roles else "other"
 
     try:
-        parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if b"p2pd" in command(pid)[0]:
+            return f"{kind_of(parent_of(pid))} p2pd"
+        parent = parent_of(pid)
         forked = pid != os.getpid() and command(pid) == command(parent)  # (a fork keeps its parent's command line)
         return f"{role(parent)} DHT" if forked else role(pid)
     except OSError:
