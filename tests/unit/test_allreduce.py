@@ -78,12 +78,15 @@ class LoopbackClient:
         return await _through_wire(reply, out, self.policy)
 
 
-def always(epoch: int, group: tuple[str, ...]) -> bool:
+Wake = Callable[[int, tuple[str, ...]], Awaitable[bool]]  # an owner woken by a round it has not begun
+
+
+async def always(epoch: int, group: tuple[str, ...]) -> bool:
     return True
 
 
 def make_members(
-    ids: Sequence[str], timeout: float = 5.0, on_wake: dict[str, Callable[[int, tuple[str, ...]], bool]] | None = None,
+    ids: Sequence[str], timeout: float = 5.0, on_wake: dict[str, Wake] | None = None,
     policy: Policy = EXACT, bounds: Bounds | None = None,
 ) -> dict[str, StageAllReduce]:
     members: dict[str, StageAllReduce] = {}
@@ -268,7 +271,7 @@ def test_a_contribution_wakes_an_owner_that_has_not_begun() -> None:
     woken: list[tuple[int, tuple[str, ...]]] = []
     late: list[asyncio.Task] = []
 
-    def wake_b(epoch: int, group: tuple[str, ...]) -> bool:
+    async def wake_b(epoch: int, group: tuple[str, ...]) -> bool:
         woken.append((epoch, group))
         if not late:  # a second early contribution must not start a second round
             late.append(asyncio.create_task(members["peerB"].run(epoch, group, flat["peerB"], samples["peerB"])))
@@ -291,7 +294,7 @@ def test_owner_at_another_epoch_fails_the_senders_round() -> None:
     ids = ("peerA", "peerB")
     woken: list[tuple[int, tuple[str, ...]]] = []
 
-    def elsewhere(epoch: int, group: tuple[str, ...]) -> bool:
+    async def elsewhere(epoch: int, group: tuple[str, ...]) -> bool:
         woken.append((epoch, group))
         return False
 
@@ -310,7 +313,7 @@ def test_woken_owner_that_never_begins_refuses_after_the_timeout() -> None:
     ids = ("peerA", "peerB")
     woken: list[tuple[int, tuple[str, ...]]] = []
 
-    def agree(epoch: int, group: tuple[str, ...]) -> bool:
+    async def agree(epoch: int, group: tuple[str, ...]) -> bool:
         woken.append((epoch, group))
         return True
 
@@ -712,7 +715,10 @@ def test_a_refusal_names_its_owner_unless_the_replicas_merely_disagree_on_the_ro
     """An owner not at our epoch refuses as honest replicas do while one catches up: not held against it.
     An owner refusing for any other reason is named (the step loop leaves it out after a few such)."""
     ids = ("peerA", "peerB")
-    not_ready = make_members(ids, timeout=SHORT, on_wake={"peerB": lambda epoch, group: False})
+    async def not_at_epoch(epoch: int, group: tuple[str, ...]) -> bool:
+        return False
+
+    not_ready = make_members(ids, timeout=SHORT, on_wake={"peerB": not_at_epoch})
     with pytest.raises(RoundFailed) as info:
         run_all(not_ready["peerA"].run(0, ids, torch.randn(10), 1))
     assert info.value.refused_by == frozenset()

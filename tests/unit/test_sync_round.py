@@ -426,11 +426,13 @@ def test_a_replica_alone_reads_its_stage_as_often_as_records_are_renewed(handed:
     assert asyncio.run(scenario()) == ([1, 2, 3] if handed else [0, 0, 1])
 
 
-def test_a_round_proposed_by_a_replica_the_last_read_missed_has_the_stage_read_again_and_joined() -> None:
+def test_a_round_proposed_by_a_replica_the_last_read_missed_waits_for_the_stage_to_be_read_and_is_joined() -> None:
     """A replica that started a little later announced itself after our last read of the stage, gathered
-    samples and proposed the round with us. Its proposal is refused (a peer our plan has not seen at our
-    epoch must not get into the stage's round), but the next look reads the stage again at once, though the
-    last read is fresh, and steps with it instead of alone; its retried proposal is then accepted."""
+    samples and proposed the round with us (at a stage's first round, each replica's plan may not have read
+    the other's record yet). A peer our plan has not seen at our epoch must not get into the stage's round,
+    but refused at once, the proposer's round failed and waited out a backoff: the proposal waits for the
+    next look, which reads the stage again at once, though the last read is fresh, and steps with it instead
+    of alone; the proposal is then accepted."""
     newcomer = SimpleNamespace(peer_id="QmLate", epoch=0, pending=8, moving=False)
     directory = _Directory([SimpleNamespace(done=False)], [])
 
@@ -442,13 +444,15 @@ def test_a_round_proposed_by_a_replica_the_last_read_missed_has_the_stage_read_a
         assert decision == Step(("QmMe",)) and directory.reads["stage"] == 1  # it would step alone
         directory.records = [newcomer]
         group = ("QmLate", "QmMe")
-        assert not st.accept_proposal(st.runtime.epoch, group)
-        assert st.wake.is_set()
+        st.wake.clear()
+        asked = asyncio.ensure_future(st.accept_proposal(st.runtime.epoch, group))
+        await st.wake.wait()  # the proposal woke the step loop
+        assert not asked.done()  # and waits for its read
         decision, _ = await stepper._look()
         assert directory.reads["stage"] == 2 and directory.fresh[-1] == 0.0
         assert decision == Step(group)
-        assert st.accept_proposal(st.runtime.epoch, group)
-        await stepper._look()  # no proposal since the last read: the read serves
+        assert await asked and st.proposal == (st.runtime.epoch, group)
+        await stepper._look()  # the accepted proposal is joined: no read of the stage for it
         assert directory.reads["stage"] == 2
 
     asyncio.run(scenario())
@@ -465,7 +469,7 @@ def test_a_round_a_groupmate_proposed_right_after_our_step_is_joined_without_rea
         epoch = st.runtime.epoch
         st.plan = replace(st.plan, groupmates=(epoch, frozenset({"QmMate"})), peers_at_epoch=(epoch - 1, frozenset()))
         group = ("QmMate", "QmMe")
-        assert st.accept_proposal(epoch, group)
+        assert await st.accept_proposal(epoch, group)
         decision, _ = await stepper._look()
         assert decision == Step(group)
         assert directory.reads == {"trainers": 0, "stage": 0}
@@ -489,7 +493,7 @@ def test_a_failed_rounds_backoff_ends_when_a_groupmate_proposes_a_round_we_accep
         waiting = asyncio.create_task(stepper._back_off(60.0))
         await asyncio.sleep(0)  # (the backoff begins)
         assert not waiting.done()
-        assert st.accept_proposal(epoch, group)
+        assert await st.accept_proposal(epoch, group)
         await asyncio.wait_for(waiting, 5.0)
         await asyncio.wait_for(stepper._back_off(60.0), 5.0)  # one already accepted: no wait at all
         assert st.proposal == (epoch, group)
@@ -516,3 +520,18 @@ def test_a_replica_alone_with_a_steps_samples_reads_at_every_look_while_it_waits
         return directory.reads["stage"]
 
     assert asyncio.run(scenario()) == (1 if case == "waiting" else 0)
+
+
+def test_a_round_proposed_with_a_member_the_new_read_does_not_show_either_is_refused() -> None:
+    """A proposal with a member our plan has not seen waits for the stage to be read, but a member that read
+    does not show at our epoch either (a peer outside the stage) keeps the round refused."""
+    directory = _Directory([SimpleNamespace(done=False)], [SimpleNamespace(peer_id="QmMate", epoch=0, pending=0)])
+
+    async def scenario() -> tuple[bool, tuple | None, int]:
+        st, stepper = stepper_reading(directory)
+        asked = asyncio.ensure_future(st.accept_proposal(0, ("QmMate", "QmMe", "QmOutsider")))
+        await st.wake.wait()
+        await stepper._look()
+        return await asked, st.proposal, directory.reads["stage"]
+
+    assert asyncio.run(scenario()) == (False, None, 1)

@@ -84,7 +84,7 @@ class StageAllReduce:
         own_id: str,
         stage: int,
         timeout: float,
-        on_wake: Callable[[int, tuple[str, ...]], bool],
+        on_wake: Callable[[int, tuple[str, ...]], Awaitable[bool]],
         bounds: Bounds | None = None,
         at_epoch: Callable[[int, frozenset[str]], Awaitable[frozenset[str]]] | None = None,
         lapsed: Callable[[frozenset[str]], Awaitable[frozenset[str]]] | None = None,
@@ -331,7 +331,8 @@ class StageAllReduce:
         """This owner's round for the contribution's epoch, once it agrees with the contribution: a
         contribution that comes first proposes the round (`on_wake`), and waits for it to begin."""
         if c.epoch not in self._rounds:
-            if not self.on_wake(c.epoch, c.group):
+            # (the owner may begin the round itself while it judges the proposal: see ServedStage.accept_proposal)
+            if not await self.on_wake(c.epoch, c.group) and c.epoch not in self._rounds:
                 raise BadRequest(f"{NOT_READY} this replica is not at epoch {c.epoch}")
             started = self._started_event(c.epoch)
             try:

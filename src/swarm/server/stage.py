@@ -6,6 +6,7 @@ its throughput figures, counters, step history and the flags the server's jobs s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -31,6 +32,9 @@ WARMUP_WINDOWS = 3
 GAP_ALPHA = 0.1  # weight of the newest gap between passes in their running average
 IDLE_GAPS = 4  # usual gaps between passes that must go by without work before the run may be over
 MAX_TOLD = 256  # peers whose counts are kept (a stage has far fewer replicas)
+# seconds a round proposed with replicas the step plan had not seen waits for the plan to read the stage (one
+# DHT read); then, or at once where the step loop is busy elsewhere (a download), it is judged as it stands
+UNSEEN_WAIT = 3.0
 
 
 def stage_specs(model: ModelConfig, module: torch.nn.Module) -> tuple[TensorSpec, TensorSpec | None]:
@@ -101,6 +105,8 @@ class ServedStage:
         self.proposal: tuple[int, tuple[str, ...]] | None = None  # a round a groupmate began, accepted
         self.proposed = asyncio.Event()  # set with `proposal`: it ends a failed round's backoff
         self.asked_by_unseen = -math.inf  # (monotonic) when a round was proposed with replicas our plan had not seen
+        self.planned_from = -math.inf  # (monotonic) when the read of the stage the step plan last decided from began
+        self._planned = asyncio.Event()  # set, and replaced, when the plan has decided from a newer read
         self.round_epoch: int | None = None  # the epoch whose step round is running
         self.durable_epoch = 0  # the newest epoch that outlives this replica (see the `ledger` handler)
         self.lapsed = False  # the process stalled so long that its DHT record may have lapsed
@@ -131,18 +137,40 @@ class ServedStage:
     def tenure(self) -> float:
         return time.monotonic() - self.since
 
-    def accept_proposal(self, epoch: int, group: tuple[str, ...]) -> bool:
+    async def accept_proposal(self, epoch: int, group: tuple[str, ...]) -> bool:
         """A groupmate began the round for `epoch` with `group` (see swarm.averaging.allreduce): join it
-        unless the step plan objects (`swarm.core.stepping.accept_proposal`), waking the step loop."""
+        unless the step plan objects (`swarm.core.stepping.accept_proposal`), waking the step loop. Where
+        the only objection is members the plan has not seen at our epoch (a replica that announced itself
+        since our last read: at a stage's first round, each replica's), the step loop reads the stage at
+        once and the proposal is judged again from that read: refused at once, the proposer's round failed
+        and it waited out a backoff, a warning in both logs at every start."""
+        if self._join(epoch, group):
+            return True
+        if not unseen_in(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
+            return False
+        asked = self.asked_by_unseen = time.monotonic()  # the step loop reads the stage before it decides
+        self.wake.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(UNSEEN_WAIT):  # (not wait_for: it can lose a cancellation)
+                while self.planned_from < asked:
+                    await self._planned.wait()
+        return self._join(epoch, group)
+
+    def _join(self, epoch: int, group: tuple[str, ...]) -> bool:
         if not accept_proposal(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
-            if unseen_in(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
-                self.asked_by_unseen = time.monotonic()  # the step loop reads the stage before it decides
-                self.wake.set()
             return False
         self.proposal = (epoch, group)
         self.proposed.set()
         self.wake.set()
         return True
+
+    def note_planned(self, read_began: float) -> None:
+        """The step plan decided from a read of the stage begun at `read_began` (monotonic): proposals
+        waiting for a read begun after they came are judged again."""
+        if read_began > self.planned_from:
+            self.planned_from = read_began
+            self._planned.set()
+            self._planned = asyncio.Event()
 
     def near_step(self, period: float, target_batch_size: int) -> bool:
         """Whether other replicas were at our epoch in the step plan's last view and the stage may reach

@@ -197,6 +197,7 @@ class Stepper:
             handed=st.handed_now(),
         )
         decision, st.plan = plan_step(view, st.plan)
+        st.note_planned(self._records_read[0])
         return decision, records
 
     async def _records(self) -> list[ServerRecord]:
