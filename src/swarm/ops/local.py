@@ -170,7 +170,7 @@ class LocalSwarm:
                 if index is not None:
                     self.hosted[index] = server
         if loc.trainers_wait:
-            asyncio.run(self._wait_for_servers())
+            asyncio.run(self.wait_for_servers())
         for index in range(0 if loc.trainers_in_servers else loc.trainers):
             self.add_trainer(index)
 
@@ -290,7 +290,7 @@ class LocalSwarm:
             raise RuntimeError("the local swarm has not been started")
         return Directory(self.bootstrap.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
 
-    async def _wait_for_servers(self) -> None:
+    async def wait_for_servers(self) -> None:
         """Until every server launched so far has announced itself (`local.trainers_wait`)."""
         launched = self.servers()
         deadline, directory = time.monotonic() + self.cfg.local.timeout, self._directory()
