@@ -142,8 +142,8 @@ class ServedStage:
         unless the step plan objects (`swarm.core.stepping.accept_proposal`), waking the step loop. Where
         the only objection is members the plan has not seen at our epoch (a replica that announced itself
         since our last read: at a stage's first round, each replica's), the step loop reads the stage at
-        once and the proposal is judged again from that read: refused at once, the proposer's round failed
-        and it waited out a backoff, a warning in both logs at every start."""
+        once and the proposal is judged again from that read. Refused at once, the proposer's round failed
+        and it waited out a backoff, with a warning in both logs, at every start."""
         if self._join(epoch, group):
             return True
         if not unseen_in(self.plan, self.peer_id, self.runtime.epoch, epoch, group):
