@@ -9,8 +9,7 @@ Once stage 1 has stepped, a fifth server joins stage 1: it downloads the stage's
 AdamW moments) from the live replica, then steps with it.
 
 Every 0.25 s the script reads /proc of each server's main process (VmRSS, and VmHWM: the kernel's
-own peak) and of its helpers (hivemind's DHT child and the p2pd daemon, in the server's process
-group). Reported per server: the stage's parameters, its parameters + gradients + AdamW moments in
+own peak) and of the processes it started (its p2pd daemon). Reported per server: the stage's parameters, its parameters + gradients + AdamW moments in
 fp32 (16 bytes per parameter), the main process's peak RSS and its ratio to that; what the helpers
 add; what serving the state download added to the source replica, and what each checkpoint added
 (the most RSS rose above its level just before while the checkpoint file was being written: the
@@ -34,6 +33,7 @@ from swarm.config import load_config
 from swarm.logs import logged_at
 from swarm.model import build_stage
 from swarm.ops.local import LocalSwarm, Peer, SwarmStatus
+from swarm.ops.procs import descendants
 from swarm.ops.report import read_steps
 
 BIG = [
@@ -72,19 +72,15 @@ def _status_kib(pid: int) -> dict[str, int]:
     return values
 
 
-def _group_members(pgid: int) -> list[tuple[int, str]]:
-    """(pid, command) of every process in the process group `pgid` but its leader."""
+def _helpers(pid: int) -> list[tuple[int, str]]:
+    """(pid, command) of every process below `pid` (a server's p2pd daemon)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for below in descendants(pid):
         try:
-            text = stat.read_text()
+            text = Path(f"/proc/{below}/stat").read_text()
         except OSError:
             continue
-        comm = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
-        pid = int(stat.parent.name)
-        if int(fields[2]) == pgid and pid != pgid:
-            found.append((pid, comm))
+        found.append((below, text[text.index("(") + 1 : text.rindex(")")]))
     return found
 
 
@@ -105,7 +101,7 @@ class Sampler(threading.Thread):
         mem = self.memory.setdefault(peer.name, Memory())
         try:
             main = _status_kib(peer.process.pid)
-            helpers = [(comm, _status_kib(pid).get("VmRSS", 0)) for pid, comm in _group_members(peer.process.pid)]
+            helpers = [(comm, _status_kib(pid).get("VmRSS", 0)) for pid, comm in _helpers(peer.process.pid)]
         except (OSError, ValueError):  # the process is gone (or went while being read)
             return
         if "VmRSS" not in main:  # a zombie: exited, not yet reaped
@@ -212,7 +208,7 @@ def _epoch_times(servers: list[list[dict]]) -> list[float]:
 
 
 def report(result: dict) -> str:
-    lines = ["| server | stage | parameters | params+grads+AdamW | peak RSS (VmHWM) | ratio | DHT child, p2pd |",
+    lines = ["| server | stage | parameters | params+grads+AdamW | peak RSS (VmHWM) | ratio | helpers |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for s in result["servers"]:
         helpers = ", ".join(f"{comm} {rss / GIB:.2f}" for comm, rss in sorted(s["helpers"].items()))
