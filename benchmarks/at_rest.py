@@ -1,5 +1,5 @@
-"""What a swarm's peers cost while nobody trains: the servers' processes (their DHT nodes run on their event
-loops), their p2p daemons and the launcher's bootstrap peer, read from /proc by kind of process (`peers.CpuSampler`).
+"""What a swarm's peers cost while nobody trains: the servers' processes, the DHT processes hivemind forks from
+them, their p2p daemons and the launcher's bootstrap peer, read from /proc by kind of process (`peers.CpuSampler`).
 Whatever the work, a peer pays this: its records renewed, its health probed, its DHT node answering others' reads
 and stores. A rank of torch's pipeline, between steps, pays nothing.
 

@@ -9,8 +9,9 @@ Once stage 1 has stepped, a fifth server joins stage 1: it downloads the stage's
 AdamW moments) from the live replica, then steps with it.
 
 Every 0.25 s the script reads /proc of each server's main process (VmRSS, and VmHWM: the kernel's
-own peak) and of the processes it started (its p2pd daemon). Reported per server: the stage's parameters, its parameters + gradients + AdamW moments in
-fp32 (16 bytes per parameter), the main process's peak RSS and its ratio to that; what the helpers
+own peak) and of its helpers (hivemind's DHT child and the p2pd daemon, the processes below it).
+Reported per server: the stage's parameters, its parameters + gradients + AdamW moments in fp32 (16
+bytes per parameter), the main process's peak RSS and its ratio to that; what the helpers
 add; what serving the state download added to the source replica, and what each checkpoint added
 (the most RSS rose above its level just before while the checkpoint file was being written: the
 sampler watches for the server's temporary checkpoint file); seconds per step.
@@ -73,7 +74,8 @@ def _status_kib(pid: int) -> dict[str, int]:
 
 
 def _helpers(pid: int) -> list[tuple[int, str]]:
-    """(pid, command) of every process below `pid` (a server's p2pd daemon)."""
+    """(pid, command) of every process below `pid`: a server's DHT process and its p2pd daemon, which live in a
+    process group of their own (`swarm.net.lifeline`), so the server's group does not list them."""
     found = []
     for below in descendants(pid):
         try:
@@ -208,7 +210,7 @@ def _epoch_times(servers: list[list[dict]]) -> list[float]:
 
 
 def report(result: dict) -> str:
-    lines = ["| server | stage | parameters | params+grads+AdamW | peak RSS (VmHWM) | ratio | helpers |",
+    lines = ["| server | stage | parameters | params+grads+AdamW | peak RSS (VmHWM) | ratio | DHT child, p2pd |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for s in result["servers"]:
         helpers = ", ".join(f"{comm} {rss / GIB:.2f}" for comm, rss in sorted(s["helpers"].items()))

@@ -4,8 +4,8 @@
 
 Runs the swarm of benchmarks/peers.py's fault-free scenario (the same model and settings, `--set` on top)
 and samples /proc once a second for every process this one started: each peer's main process (a server's
-split into its event loop, the main thread, and its other threads, where the compute runs), the p2pd
-daemon it starts, and, for the bootstrap peer, the DHT process hivemind forks for it. The figures are cores used on
+split into its event loop, the main thread, and its other threads, where the compute runs), the DHT
+process hivemind forks for it, and the p2pd daemon that process starts. The figures are cores used on
 average from the swarm's warm-up step to the moment its trainer stopped starting microbatches, the window
 benchmarks/peers.py times. The single process would use every core for compute; whatever the swarm spends
 elsewhere is what it gives up against it.

@@ -20,7 +20,7 @@ every time.
   stopped starting microbatches: what follows is the one drain of the whole run, which a pipeline
   schedule pays at every step (its bubble, counted in torch's rates).
 - straggler: four workers on each side, each held to 0.45 cores as a machine of its own would be (a
-  cgroup CPU quota, so needs root; the swarm's servers with their p2pd daemons), one of them 3x
+  cgroup CPU quota, so needs root; the swarm's servers with their DHT and p2pd helpers), one of them 3x
   slower (a share of 0.15 cores): torch 1F1B as two data-parallel pipelines of 2 stages
   (the slow rank is pipeline 0's first stage), the swarm as 2 stages x 2 servers (the slow one is a
   stage-0 server) and one trainer, which with the DHT bootstrap peer runs outside the shares.
@@ -42,7 +42,7 @@ took for others (steal, from /proc/stat), and one core's matmul rate just before
 either differs between the runs of one scenario, so do their rates.
 
 Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
-against everything else it runs (the servers' network threads and DHT nodes, p2pd daemons, trainers,
+against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
 the bootstrap peer and the launcher), read from /proc. Each torch run says the same of its ranks: their
 main threads, which compute and call gloo, against their other threads (gloo's and torch's own).
 
@@ -227,9 +227,9 @@ class CpuSampler:
 
 def kind_of(pid: int) -> str:
     """A local swarm's process by role: 'server', 'trainer', 'launcher' (this process, which runs the swarm's
-    bootstrap peer); a DHT process hivemind forked from one of them is 'launcher DHT', and a p2p daemon is
-    named for the process that started it ('server p2pd', 'launcher DHT p2pd'): the launcher's carries only
-    the DHT's traffic, a server's also its stage calls."""
+    bootstrap peer); a DHT process hivemind forked from one of them is 'server DHT' etc., and a p2p daemon is
+    named for the process that started it ('server DHT p2pd'): the launcher's carries only the DHT's
+    traffic, a server's also its stage calls."""
     def command(p: int) -> list[bytes]:
         return Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
 

@@ -1,4 +1,4 @@
-"""The lifeline's watch and guard, against stand-ins for the helper processes and the daemon."""
+"""The lifeline's watch and guard, against stand-ins for the DHT process and the daemon."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from swarm.net.lifeline import CutOff, NetworkLost, guard, watch
 
 class FakeDHT:
     def __init__(self, alive: bool = True):
-        self.alive = alive
+        self.alive, self.pid, self.exitcode = alive, 1234, None if alive else -9
 
-    def gone(self) -> str | None:
-        return None if self.alive else "the p2pd daemon (pid 1234) exited with code -9"
+    def is_alive(self) -> bool:
+        return self.alive
 
 
 class FakeDaemon:
@@ -29,8 +29,8 @@ class FakeDaemon:
         return []
 
 
-def test_a_dead_helper_process_is_noticed_at_the_first_probe() -> None:
-    with pytest.raises(NetworkLost, match="daemon .* exited"):
+def test_a_dead_dht_process_is_noticed_at_the_first_probe() -> None:
+    with pytest.raises(NetworkLost, match="DHT process .* exited"):
         asyncio.run(watch(FakeDHT(alive=False), FakeDaemon(answers=10), 0.01, 1.0, 3))
 
 

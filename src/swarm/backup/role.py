@@ -16,6 +16,7 @@ from swarm.config import SwarmConfig, config_hash
 from swarm.exiting import STOP_MARGIN, on_stop_signals
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
+from swarm.net.node import visible_addresses
 from swarm.net.peer import join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import Reply, StageServicer
@@ -64,7 +65,7 @@ async def _serve(cfg: SwarmConfig) -> None:
         handler = CopiesOnly(keeper, int(cfg.net.max_payload_mb * 2**20))
         await StageServicer(handler, None, cfg.wire.policy(), traffic, secret=peer.secret).add_p2p_handlers(peer.p2p)
         log.info("backup peer %s up on %s: holding every stage's state, refreshed every %d steps",
-                 short(peer.peer_id), " ".join(await peer.addresses()), cfg.backup.every)
+                 short(peer.peer_id), " ".join(visible_addresses(peer.dht)), cfg.backup.every)
         keeping = asyncio.create_task(supervised("backup", keeper.loop))
         try:
             await peer.guard(stop.wait())

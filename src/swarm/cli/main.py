@@ -210,7 +210,7 @@ def _serve_dht(cfg: SwarmConfig, addr_file: str | None) -> None:
         loop = asyncio.get_running_loop()
         on_stop_signals(loop, stop.set, STOP_MARGIN, "bootstrap peer")
         p2p = await open_bootstrap(dht, cfg.net)
-        addrs = visible_addresses(dht.get_visible_maddrs())
+        addrs = visible_addresses(dht)
         kept = f" (peer id kept in {cfg.net.identity_path})" if cfg.net.identity_path else ""
         print(f"Bootstrap peer is up{kept}. Join with:\n  --initial-peers " + " ".join(addrs), flush=True)
         if addr_file:

@@ -231,7 +231,7 @@ class NetConfig:
     # a round trip added to every stage call (half before the request, half before the server handles
     # it): latency for test networks on kernels without netem. DHT traffic is not delayed.
     emulated_rtt_ms: float = 0.0
-    # this peer's own network stack (its p2pd daemon) is probed every health_every seconds;
+    # this peer's own network stack (its DHT process and p2pd daemon) is probed every health_every seconds;
     # after health_misses failed probes in a row the peer exits with an error instead of waiting forever
     health_every: float = 2.0
     health_misses: int = 3

@@ -48,7 +48,7 @@ class Bootstrap:
         if not self._ready.wait(READY_TIMEOUT) or self._failure is not None:
             self.shutdown()
             raise RuntimeError(f"the bootstrap peer did not come up: {self._failure or 'timed out'}")
-        self.addresses = visible_addresses(self.dht.get_visible_maddrs())
+        self.addresses = visible_addresses(self.dht)
 
     async def _serve(self, net: NetConfig) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()

@@ -1,6 +1,5 @@
-"""A peer's helper processes tied to its life: the p2pd daemon that carries every connection, and, for
-tools without an event loop of their own, hivemind's DHT process that starts it (servers and trainers run
-their DHT node on their own loop, `swarm.net.loopnode`, and start the daemon themselves).
+"""A peer's helper processes tied to its life: hivemind runs the DHT in a child process, which starts the
+p2pd daemon that carries every connection.
 
 Two ways they used to go wrong. A signal sent to the peer's whole process group (Ctrl-C in a terminal,
 `systemctl stop`, `kill -- -PGID`) reached the helpers as well, so they died while the peer was still
@@ -8,9 +7,9 @@ draining its work through them. And a SIGKILL of the peer left them running, ans
 name and keeping its connections open, so callers waited out their timeouts instead of seeing the
 connection drop.
 
-So the helpers move into a process group of their own (group signals stop at the peer, which shuts
-its helpers down itself once drained), and each asks the kernel for a signal when its parent dies
-(`PR_SET_PDEATHSIG`): the peer's death stops its daemon, or kills its DHT process, whose death stops p2pd.
+So the DHT process moves into a process group of its own (group signals stop at the peer, which shuts
+its helpers down itself once drained), and each helper asks the kernel for a signal when its parent dies
+(`PR_SET_PDEATHSIG`): the peer's death kills the DHT process, whose death stops p2pd.
 
 Then the peer watches its helpers (`watch`): when the DHT process or the daemon is gone, or the daemon
 stops answering, the peer cannot reach anyone any more and says so, instead of waiting forever.
@@ -19,15 +18,13 @@ stops answering, the peer cannot reach anyone any more and says so, instead of w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import hivemind
 from hivemind.p2p import P2P
@@ -43,11 +40,6 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 PROBE_TIMEOUT = 5.0  # seconds the daemon has to answer one health probe
 T = TypeVar("T")
-
-
-class NetworkStack(Protocol):
-    def gone(self) -> str | None:
-        """Why the peer's network stack is gone (a helper process exited), or None while it lives."""
 
 
 class CutOff(RuntimeError):
@@ -71,25 +63,6 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 def _stop_with_parent() -> None:
     """p2pd's pre-exec hook: a Go daemon exits cleanly on SIGTERM."""
     die_with_parent(signal.SIGTERM)
-
-
-@contextlib.contextmanager
-def tied_daemon(own_group: bool) -> Iterator[None]:
-    """Inside, a p2pd daemon started by hivemind (which offers no hook for it) is stopped when the thread
-    that starts it exits and, with `own_group`, is put in a process group of its own, so that a signal to
-    the peer's group leaves the peer a daemon to drain its work through."""
-    spawn = asyncio.subprocess.create_subprocess_exec
-
-    async def spawn_tied(program, *args, **kwargs):
-        if Path(str(program)).name == "p2pd":
-            kwargs.update(preexec_fn=_stop_with_parent, **({"process_group": 0} if own_group else {}))
-        return await spawn(program, *args, **kwargs)
-
-    asyncio.subprocess.create_subprocess_exec = spawn_tied
-    try:
-        yield
-    finally:
-        asyncio.subprocess.create_subprocess_exec = spawn
 
 
 class TiedDHT(hivemind.DHT):
@@ -122,10 +95,6 @@ class TiedDHT(hivemind.DHT):
             return super().run_coroutine(coro, return_future)
         return self._call("_run_coroutine", dict(coro=coro), return_future)
 
-    def gone(self) -> str | None:
-        """Why this peer's network stack is gone (the DHT process exited), or None while it lives."""
-        return None if self.is_alive() else f"the DHT process (pid {self.pid}) exited with code {self.exitcode}"
-
     def _piped(self) -> bool:
         """Whether this call can take the pipe: made in the process that started the DHT, which reads it."""
         return self._calls is not None and self._calls.owner == os.getpid() and self._calls.reading
@@ -142,8 +111,14 @@ class TiedDHT(hivemind.DHT):
         die_with_parent(signal.SIGKILL)
         if os.getppid() != parent:  # the peer died before the tie was made
             os._exit(1)
-        with tied_daemon(own_group=False):  # (it is in this process's group)
-            super().run()
+        spawn = asyncio.subprocess.create_subprocess_exec
+
+        async def spawn_tied(*args, **kwargs):
+            return await spawn(*args, preexec_fn=_stop_with_parent, **kwargs)
+
+        # the p2pd daemon is started from this process alone, with hivemind's own call: tie it as well
+        asyncio.subprocess.create_subprocess_exec = spawn_tied
+        super().run()
 
     async def _store(self, key, value, expiration_time: float, subkey, future, **kwargs) -> None:
         """`store`, run in the DHT's process: by `NearestStores`, unless hivemind's own options are asked for."""
@@ -160,14 +135,14 @@ class TiedDHT(hivemind.DHT):
                 future.set_exception(e)
 
 
-async def watch(dht: NetworkStack, p2p: P2P, every: float, timeout: float, misses: int) -> None:
-    """Return only by raising `NetworkLost`: when a helper process has exited, or the daemon has failed
+async def watch(dht: hivemind.DHT, p2p: P2P, every: float, timeout: float, misses: int) -> None:
+    """Return only by raising `NetworkLost`: when the DHT process has exited, or the daemon has failed
     `misses` probes in a row (each given `timeout` seconds, one every `every`)."""
     failed = 0
     while True:
         await asyncio.sleep(every)
-        if (gone := dht.gone()) is not None:
-            raise NetworkLost(gone)
+        if not dht.is_alive():
+            raise NetworkLost(f"the DHT process (pid {dht.pid}) exited with code {dht.exitcode}")
         try:
             async with asyncio.timeout(timeout):  # (not wait_for, which can lose a cancellation on Python 3.11)
                 await p2p.list_peers()
@@ -179,7 +154,7 @@ async def watch(dht: NetworkStack, p2p: P2P, every: float, timeout: float, misse
                                   f"({type(e).__name__}: {e})") from e
 
 
-async def guard(work: Awaitable[T], dht: NetworkStack, p2p: P2P, net: NetConfig, *watchers: Awaitable[None]) -> T:
+async def guard(work: Awaitable[T], dht: hivemind.DHT, p2p: P2P, net: NetConfig, *watchers: Awaitable[None]) -> T:
     """`work`'s result, unless the network stack dies first (`NetworkLost`, after `net.health_misses`
     probes `net.health_every` apart) or another of `watchers` raises: `work` is then cancelled and that
     error raised, so the peer exits instead of waiting forever on a dead daemon."""

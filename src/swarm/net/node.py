@@ -3,16 +3,13 @@ checks a newcomer makes against the peers it joined through (clock, reachability
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ipaddress
 import logging
 import random
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import hivemind
 from hivemind.p2p import P2P
@@ -25,13 +22,9 @@ from swarm.core.retry import backoff_delay
 from swarm.net.identity import DecodableValues, PeerSignatures, load_or_create, temporary_identity
 from swarm.net.join import greet, peer_ids
 from swarm.net.lifeline import TiedDHT
-from swarm.net.loopnode import LoopDHT
 from swarm.net.protocol import bound_stream_messages
 from swarm.net.secret import SealedRecords, SwarmSecret, load_secret
 from swarm.net.storage import bound_dht_storage
-
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 log = logging.getLogger(__name__)
 # what p2pd says when none of the initial peers could be connected to, and hivemind's DHT when none of them
@@ -63,96 +56,61 @@ def start_dht(net: NetConfig, client_mode: bool = False) -> hivemind.DHT:
 def _join(net: NetConfig, start: Callable[[], hivemind.DHT], rng: random.Random | None = None) -> hivemind.DHT:
     """`start()`, again while none of the initial peers could be reached and `net.join_timeout` lasts (a peer
     started with its network, or while the bootstrap restarts); any other failure at once."""
-    retry = _Retry(net, rng)
+    rng, attempt = rng or random.Random(), 0
+    give_up = time.monotonic() + net.join_timeout
     while True:
         try:
             return start()
         except (P2PDaemonError, RuntimeError) as e:
-            time.sleep(retry.after(e))
-
-
-async def start_loop_dht(net: NetConfig, client_mode: bool, rng: random.Random | None = None) -> LoopDHT:
-    """`start_dht` for a peer with an event loop of its own: its DHT node runs on the calling loop (see
-    `swarm.net.loopnode`), tried again as `start_dht` is."""
-    bound_stream_messages()
-    bound_dht_storage()
-    secret, retry = load_secret(net.secret_path), _Retry(net, rng)
-    while True:
-        try:
-            with _identity(net) as (path, key):
-                return await LoopDHT.create(key, client_mode=client_mode, **_node_options(net, path, secret, key))
-        except (P2PDaemonError, RuntimeError) as e:
-            await asyncio.sleep(retry.after(e))
-
-
-class _Retry:
-    """When to try joining again after a failed attempt: only while none of the initial peers could be
-    reached and `net.join_timeout` lasts; any other failure is raised."""
-
-    def __init__(self, net: NetConfig, rng: random.Random | None):
-        self.net, self.rng, self.attempt = net, rng or random.Random(), 0
-        self.give_up = time.monotonic() + net.join_timeout
-
-    def after(self, e: Exception) -> float:
-        net = self.net
-        unreached = bool(net.initial_peers) and any(words in str(e) for words in UNREACHED)
-        if not (unreached or isinstance(e, P2PDaemonError)):
-            raise e
-        peers, left = ", ".join(net.initial_peers) or "none given", self.give_up - time.monotonic()
-        if not unreached or left <= 0:
-            raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e
-        delay = min(left, max(MIN_RETRY_DELAY, backoff_delay(self.attempt, 1.0, 8.0, self.rng)))
-        log.warning("none of the initial peers could be reached (%s): trying again in %.1fs, for %.0fs more",
-                    peers, delay, left)
-        self.attempt += 1
-        return delay
-
-
-@contextlib.contextmanager
-def _identity(net: NetConfig) -> Iterator[tuple[Path, Ed25519PrivateKey]]:
-    """The key file to start a daemon with, and its key. A peer without a kept identity takes a fresh one
-    each attempt (its daemon has read the key, or failed, once started: the key then stays in memory only)."""
-    if net.identity_path:
-        yield Path(net.identity_path), load_or_create(Path(net.identity_path))
-        return
-    path, key = temporary_identity()
-    try:
-        yield path, key
-    finally:
-        shutil.rmtree(path.parent, ignore_errors=True)
-
-
-def _node_options(net: NetConfig, path: Path, secret: SwarmSecret | None, key: Ed25519PrivateKey) -> dict:
-    """What a DHT node and its daemon are started with, wherever the node runs."""
-    return dict(
-        initial_peers=list(net.initial_peers),
-        host_maddrs=[listen_address(net)],
-        announce_maddrs=list(net.announce_addrs) or None,
-        identity_path=str(path),
-        check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
-        record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
-        use_relay=net.use_relay,
-        use_auto_relay=net.use_auto_relay,
-        # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
-        # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
-        # before they expire, would only add stores and lookups that every DHT node serves
-        cache_nearest=0,
-        cache_refresh_before_expiry=0,
-    )
+            unreached = bool(net.initial_peers) and any(words in str(e) for words in UNREACHED)
+            if not (unreached or isinstance(e, P2PDaemonError)):
+                raise
+            peers, left = ", ".join(net.initial_peers) or "none given", give_up - time.monotonic()
+            if not unreached or left <= 0:
+                raise JoinError(f"{e} (initial peers: {peers}); check net.initial_peers and that they are up") from e
+            delay = min(left, max(MIN_RETRY_DELAY, backoff_delay(attempt, 1.0, 8.0, rng)))
+            log.warning("none of the initial peers could be reached (%s): trying again in %.1fs, for %.0fs more",
+                        peers, delay, left)
+            time.sleep(delay)
+            attempt += 1
 
 
 def _start(net: NetConfig, client_mode: bool, secret: SwarmSecret | None) -> hivemind.DHT:
-    """One attempt at a DHT node in hivemind's process of its own."""
-    with _identity(net) as (path, key):
-        dht = TiedDHT(client_mode=client_mode, start=True, **_node_options(net, path, secret, key))
+    """One attempt; a peer without a kept identity takes a fresh one each time (its daemon has read the
+    key, or failed, once it returns: the key then stays in memory only)."""
+    if net.identity_path:
+        path, key = Path(net.identity_path), load_or_create(Path(net.identity_path))
+    else:
+        path, key = temporary_identity()
+    try:
+        dht = TiedDHT(
+            initial_peers=list(net.initial_peers),
+            host_maddrs=[listen_address(net)],
+            announce_maddrs=list(net.announce_addrs) or None,
+            identity_path=str(path),
+            check_if_identity_free=False,  # (hivemind's check reads RSA keys only)
+            record_validators=[PeerSignatures(key), DecodableValues()] + ([SealedRecords(secret)] if secret else []),
+            use_relay=net.use_relay,
+            use_auto_relay=net.use_auto_relay,
+            client_mode=client_mode,
+            # every read of ours asks for the latest records (`latest=True`), which hivemind's caching never
+            # answers: pushing each value found to the nearest node lacking it, and re-reading cached keys
+            # before they expire, would only add stores and lookups that every DHT node serves
+            cache_nearest=0,
+            cache_refresh_before_expiry=0,
+            start=True,
+        )
         dht.identity = key
         return dht
+    finally:
+        if not net.identity_path:
+            shutil.rmtree(path.parent, ignore_errors=True)
 
 
-def visible_addresses(maddrs: list[Multiaddr]) -> list[str]:
-    """Of a peer's addresses (`get_visible_maddrs()`), those other hosts can join it through: loopback ones
-    only when there are no others (a peer that listens on 127.0.0.1 alone is reachable from its own host only)."""
-    addrs = [str(a) for a in maddrs]
+def visible_addresses(dht: hivemind.DHT) -> list[str]:
+    """The addresses other hosts can join this peer through: loopback ones only when there are no
+    others (a peer that listens on 127.0.0.1 alone is reachable from its own host only)."""
+    addrs = [str(a) for a in dht.get_visible_maddrs()]
     outside = [a for a in addrs if not _loopback(a)]
     return outside or addrs
 
@@ -166,7 +124,7 @@ def _loopback(addr: str) -> bool:
     return False
 
 
-async def check_join(dht: hivemind.DHT | LoopDHT, p2p: P2P, net: NetConfig, serving: bool,
+async def check_join(dht: hivemind.DHT, p2p: P2P, net: NetConfig, serving: bool,
                      clock: Callable[[], float] = time.time, secret: SwarmSecret | None = None) -> None:
     """Greet the initial peers: compare clocks (warn, or refuse past `net.max_clock_offset`) and, for a
     peer that others must connect to (`serving`), have them dial back; refuse one nobody can reach.
@@ -176,7 +134,7 @@ async def check_join(dht: hivemind.DHT | LoopDHT, p2p: P2P, net: NetConfig, serv
     peers = [p for p in peer_ids(net.initial_peers) if p != dht.peer_id.to_base58()]
     if not peers:
         return
-    addrs = visible_addresses(await p2p.get_visible_maddrs())
+    addrs = visible_addresses(dht)
     ports = sorted({int(Multiaddr(a).value_for_protocol("tcp")) for a in addrs if "/tcp/" in a})
     greetings = await greet(p2p, peers, ports if serving else [], clock=clock, secret=secret)
     if not greetings:

@@ -7,14 +7,14 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import hivemind
 from hivemind.p2p import P2P
 
 from swarm.config import NetConfig, WireConfig
 from swarm.net.directory import Directory
 from swarm.net.faultfile import FaultFile
 from swarm.net.lifeline import guard
-from swarm.net.loopnode import LoopDHT
-from swarm.net.node import check_join, start_loop_dht, visible_addresses
+from swarm.net.node import check_join, start_dht
 from swarm.net.protocol import Traffic
 from swarm.net.receipts import ReceiptSigner
 from swarm.net.secret import SwarmSecret, load_secret
@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 @dataclass
 class SwarmPeer:
-    dht: LoopDHT
+    dht: hivemind.DHT
     p2p: P2P
     client: StageClient
     directory: Directory
@@ -35,13 +35,12 @@ class SwarmPeer:
     secret: SwarmSecret | None  # a private swarm's (see swarm.net.secret)
     sign: ReceiptSigner  # this peer's receipts for the gradients it hands replicas (see swarm.net.receipts)
 
-    async def addresses(self) -> list[str]:
-        """Where other hosts can join the swarm through this peer (see `visible_addresses`)."""
-        return visible_addresses(await self.p2p.get_visible_maddrs())
-
     async def leave(self) -> None:
-        """Stop the DHT node and its daemon (see `LoopDHT.shutdown`)."""
-        await self.dht.shutdown()
+        """Close this process's connection to the p2p daemon (which removes the socket it listened on for
+        calls: left behind, one file per peer that ever served piles up in the temp directory), then the DHT
+        peer with its daemon."""
+        await self.p2p.shutdown()
+        self.dht.shutdown()
 
     async def guard(self, work: Awaitable[T], *watchers: Awaitable[None]) -> T:
         """`work`'s result, unless this peer's network stack dies first (see `swarm.net.lifeline.guard`)."""
@@ -51,9 +50,9 @@ class SwarmPeer:
 async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool) -> SwarmPeer:
     """Join the DHT (in client mode unless `serving`) and check this peer against the swarm (its clock,
     and, for a server, that others can connect to it; see `check_join`)."""
-    dht = await start_loop_dht(net, client_mode=not serving)
+    dht = start_dht(net, client_mode=not serving)
     try:
-        p2p = dht.p2p
+        p2p = await dht.replicate_p2p()
         faults = FaultFile(net.fault_file) if net.fault_file else None
         secret = load_secret(net.secret_path)
         client = StageClient(p2p, faults, wire.policy(), traffic, net.emulated_rtt_ms / 2000, secret)
@@ -62,5 +61,5 @@ async def join(net: NetConfig, wire: WireConfig, traffic: Traffic, serving: bool
         me = dht.peer_id.to_base58()
         return SwarmPeer(dht, p2p, client, directory, faults, me, net, secret, ReceiptSigner(dht.identity, me))
     except BaseException:
-        await dht.shutdown()
+        dht.shutdown()
         raise

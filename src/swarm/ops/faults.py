@@ -1,7 +1,7 @@
 """Faults injected into a local swarm, each one logged with its time (tests and `swarm fault` alike).
 
 A killed peer stands for a machine that vanished, so all its processes go at once: its own process
-group and its helpers' (its p2pd daemon). A frozen peer (SIGSTOP to the same)
+group and its helpers' (hivemind's DHT process and p2pd daemon). A frozen peer (SIGSTOP to the same)
 stands for a machine that stalls: its connections stay open but nothing answers.
 Partitions and bandwidth limits act on the link of the peer's network namespace (a swarm started
 with `local.netns`, see `swarm.ops.netlab`). Delay and loss of RPC messages go through the peer's

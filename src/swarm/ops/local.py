@@ -1,11 +1,11 @@
 """A whole swarm on this machine: a bootstrap peer, stage servers and trainers, each its own process.
 
-Each peer runs in its own process group, so that killing one (as a vanished machine would) can take
-down all it runs: its group, and its p2pd daemon's (see `swarm.ops.procs.signal_machine`), which a
-SIGKILL of the main process alone leaves behind where the kernel has no `PR_SET_PDEATHSIG`. Not in a
-session of its own: where the kernel groups processes by session for scheduling (autogroup), each peer
-would get an equal share of the cores, its helpers' work taken from its own compute thread alone, and
-the stage with the busiest helpers would hold back the pipeline while the other stages' cores stood idle.
+Each peer runs in its own process group, so that killing one (as a vanished machine would) can
+take down its whole group: hivemind's DHT child and p2pd daemon outlive a SIGKILL of the main
+process alone and would keep answering in its name. Not in a session of its own: where the kernel
+groups processes by session for scheduling (autogroup), each peer would get an equal share of the
+cores, its helpers' work taken from its own compute thread alone, and the stage with the busiest
+helpers would hold back the pipeline while the other stages' cores stood idle.
 """
 
 from __future__ import annotations
@@ -356,7 +356,7 @@ class LocalSwarm:
     # ---- stopping ----------------------------------------------------------------------------
 
     def stop(self, grace: float = 30.0) -> None:
-        """SIGINT every peer's main process (it leaves cleanly, reaping its p2pd daemon), then
+        """SIGINT every peer's main process (it leaves cleanly, reaping its DHT child and p2pd), then
         SIGKILL whatever lingers."""
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not abort the cleanup
         try:

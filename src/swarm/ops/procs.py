@@ -1,6 +1,5 @@
 """A local peer's processes as the operating system sees them: its own process group and its helpers'
-(its p2pd daemon, and the DHT process of a tool that runs one, live in a process group of their own; see
-`swarm.net.lifeline`).
+(hivemind's DHT process and p2pd live in a process group of their own; see `swarm.net.lifeline`).
 A fault that stands for a whole machine (killed, frozen) reaches all of them."""
 
 from __future__ import annotations

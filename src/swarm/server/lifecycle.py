@@ -29,6 +29,7 @@ from swarm.looplag import LoopLag
 from swarm.metrics import Figure, MetricsEndpoint, loss_scale_figures, peer_figures
 from swarm.net.directory import short
 from swarm.net.join import JoinServicer
+from swarm.net.node import visible_addresses
 from swarm.net.peer import SwarmPeer, join
 from swarm.net.protocol import Traffic
 from swarm.net.servicer import StageServicer
@@ -244,7 +245,7 @@ class StageServer:
         await calibrate(st, gate, cfg.trainer.microbatch_size, cfg.model.vocab_size)
         st.serving = True
         log.info("stage %d server %s up on %s (any peer can join through these), epoch %d, device %s",
-                 index, self.label, " ".join(await peer.addresses()), st.runtime.epoch, cfg.server.device)
+                 index, self.label, " ".join(visible_addresses(peer.dht)), st.runtime.epoch, cfg.server.device)
         await announcer.announce()
         return StageJobs(st, batcher, announcer, transfer, stepper, mover)
 

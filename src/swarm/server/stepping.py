@@ -205,7 +205,7 @@ class Stepper:
         stage is near its step (their sample counts then decide when it steps), else once per announcement
         period: a look woken by each new gradient would otherwise read the DHT several times a second, and
         every read is served by each DHT node holding the stage's key, CPU taken from every host's compute
-        (in the straggler benchmark a server's DHT work, daemon and network threads took about a tenth
+        (in the straggler benchmark a server's DHT process, daemon and network threads took about a tenth
         of its 0.45-core share). Near the step, replicas that told us their counts within the period (`count`
         calls) need no such reads. A read of the stage by this peer begun up to that interval before (a
         trainer's view, in a server that trains) serves instead of a new one; near the step, up to half of it.
