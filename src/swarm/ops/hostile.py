@@ -14,8 +14,9 @@ against a `LocalSwarm` once the swarm has warmed up, and measures the steps befo
 - `poison-trainer`: the project's own trainer (same config, same initial peers), but the gradient of the
   stage output that each of its backward calls carries is scaled so that its largest value is 3e38:
   finite in float32, so only the servers' bounds stop it;
-- `forging-replica`: the project's own server of stage 1, whose all-reduce contributions list a
-  microbatch it never held (with a receipt copied from another) or one sample more than it holds, in turn.
+- `forging-replica`: the project's own server of stage 1, whose all-reduce contributions with microbatches
+  in hand list one it never held (with a receipt copied from another) or one sample more than it holds, in
+  turn.
 
 The last two run the project's own peers (swarm.ops.insiders), their results in RUN_DIR/hostile so that
 the run's report counts the honest peers only.

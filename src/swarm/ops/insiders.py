@@ -65,38 +65,43 @@ async def poison_trainer(cfg: SwarmConfig, seconds: float) -> None:
 
 
 class ForgingAllReduce(StageAllReduce):
-    """The stage's all-reduce, but each contribution this replica makes claims what it never held, in turn:
-    a microbatch of a trainer it never served (with one of its real receipts copied, so the list is
-    well-formed), or one sample more than it holds (within every per-microbatch bound, so that only the
-    receipts tell). Honest owners check every listed microbatch's receipt and the samples they add up to
-    (swarm.averaging.checks.check_receipts), so they must refuse its part as poison. `began` is set at its
-    first contribution."""
+    """The stage's all-reduce, but each contribution this replica makes with microbatches in hand claims what
+    it never held, in turn: a microbatch of a trainer it never served (with one of its real receipts copied, so
+    the list is well-formed), or one sample more than it holds (within every per-microbatch bound, so that
+    only the receipts tell). Honest owners check every listed microbatch's receipt and the samples they add up
+    to (swarm.averaging.checks.check_receipts), so they must refuse its part as poison.
+
+    Its contributions without microbatches are honest: a replica whose every round is refused falls behind,
+    catches up, and is sent no work meanwhile, so lying in those too could keep it from ever holding a
+    microbatch to lie about. `began` is set once it has made both claims."""
 
     began: asyncio.Event
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.bounds = Bounds()  # it takes its own lies as the owner of its part: they must reach the others
-        self.rounds = 0
+        self.forged = 0
 
     async def run(self, epoch: int, group: tuple[str, ...], flat_grad: torch.Tensor, samples: int,
                   digest: str = "", ids: list[str] | None = None, receipts: list[list] | None = None) -> Any:
         ids, receipts = list(ids or []), list(receipts or [])
-        self.rounds += 1
-        if self.rounds % 2 and receipts:
-            stranger = peer_id_of(Ed25519PrivateKey.generate().public_key())
-            ids.append(f"{stranger}/never-held-{epoch}")
-            receipts.append(list(receipts[0]))
-            samples += receipts[0][0]
-        else:
-            samples += 1
-        self.began.set()
+        if receipts:
+            self.forged += 1
+            if self.forged % 2:
+                stranger = peer_id_of(Ed25519PrivateKey.generate().public_key())
+                ids.append(f"{stranger}/never-held-{epoch}")
+                receipts.append(list(receipts[0]))
+                samples += receipts[0][0]
+            else:
+                samples += 1
+        if self.forged >= 2:
+            self.began.set()
         return await super().run(epoch, group, flat_grad, samples, digest, ids, receipts)
 
 
 async def forging_replica(cfg: SwarmConfig, seconds: float) -> None:
-    """Serve stage 1 as any server does, but with a `ForgingAllReduce`, for `seconds` from its first
-    contribution to a round."""
+    """Serve stage 1 as any server does, but with a `ForgingAllReduce`, for `seconds` from the contribution
+    by which it has made both of its false claims."""
     ForgingAllReduce.began = asyncio.Event()
     server_module.StageAllReduce = ForgingAllReduce
     server = server_module.StageServer(replace(cfg, server=replace(cfg.server, stage=1)))
