@@ -12,7 +12,6 @@ otherwise) and no trainer; it is measured once every server has announced itself
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from pathlib import Path
@@ -36,11 +35,7 @@ def main() -> None:
         layout = start_layout(cfg)
         swarm = LocalSwarm(cfg)
         try:
-            swarm.start_bootstrap()
-            for stage, count in enumerate(layout):
-                for _ in range(count):
-                    swarm.add_server(stage)
-            asyncio.run(swarm.wait_for_servers())
+            swarm.start_servers(wait=True)
             time.sleep(args.settle)
             with CpuSampler() as cpu:
                 since = time.time()

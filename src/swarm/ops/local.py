@@ -149,6 +149,14 @@ class LocalSwarm:
 
     def start(self) -> None:
         loc = self.cfg.local
+        self.start_servers(wait=loc.trainers_wait)
+        for index in range(0 if loc.trainers_in_servers else loc.trainers):
+            self.add_trainer(index)
+
+    def start_servers(self, wait: bool) -> None:
+        """The bootstrap peer and `local.layout`'s servers (trainers inside them where `local.trainers_in_servers`
+        says so); with `wait`, until every one has announced itself."""
+        loc = self.cfg.local
         layout = start_layout(self.cfg)
         if loc.trainers_in_servers and loc.trainers > sum(layout):
             raise ConfigError(f"local.trainers: {loc.trainers} trainers inside servers (local.trainers_in_servers) "
@@ -169,10 +177,8 @@ class LocalSwarm:
                 server = self.add_server(stage, overrides, slowdown=slowdown)
                 if index is not None:
                     self.hosted[index] = server
-        if loc.trainers_wait:
-            asyncio.run(self.wait_for_servers())
-        for index in range(0 if loc.trainers_in_servers else loc.trainers):
-            self.add_trainer(index)
+        if wait:
+            asyncio.run(self._wait_for_servers())
 
     def start_bootstrap(self) -> None:
         for stale in ("peers", "logs"):  # a run directory reused by a new run must not mix in the old one
@@ -290,7 +296,7 @@ class LocalSwarm:
             raise RuntimeError("the local swarm has not been started")
         return Directory(self.bootstrap.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
 
-    async def wait_for_servers(self) -> None:
+    async def _wait_for_servers(self) -> None:
         """Until every server launched so far has announced itself (`local.trainers_wait`)."""
         launched = self.servers()
         deadline, directory = time.monotonic() + self.cfg.local.timeout, self._directory()
