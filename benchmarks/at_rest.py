@@ -12,6 +12,7 @@ otherwise) and no trainer; it is measured once every server has announced itself
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ def main() -> None:
         layout = start_layout(cfg)
         swarm = LocalSwarm(cfg)
         try:
-            swarm.start_servers(wait=True)
+            swarm.start_servers()
+            asyncio.run(swarm.wait_for_servers())
             time.sleep(args.settle)
             with CpuSampler() as cpu:
                 since = time.time()

@@ -148,19 +148,18 @@ class LocalSwarm:
         (self.run_dir / "peers.json").write_text(json.dumps(registry, indent=1))
 
     def start(self) -> None:
-        loc = self.cfg.local
-        self.start_servers(wait=loc.trainers_wait)
-        for index in range(0 if loc.trainers_in_servers else loc.trainers):
+        self.start_servers()
+        if self.cfg.local.trainers_wait:
+            asyncio.run(self.wait_for_servers())
+        for index in range(0 if self.cfg.local.trainers_in_servers else self.cfg.local.trainers):
             self.add_trainer(index)
 
-    def start_servers(self, wait: bool) -> None:
-        """The bootstrap peer and `local.layout`'s servers (trainers inside them where `local.trainers_in_servers`
-        says so); with `wait`, until every one has announced itself."""
+    def start_servers(self) -> None:
+        """The bootstrap peer and `local.layout`'s servers (with their trainers, where those run inside them)."""
         loc = self.cfg.local
         layout = start_layout(self.cfg)
         if loc.trainers_in_servers and loc.trainers > sum(layout):
-            raise ConfigError(f"local.trainers: {loc.trainers} trainers inside servers (local.trainers_in_servers) "
-                              f"need as many servers; {sum(layout)} start")
+            raise ConfigError(f"local.trainers: {loc.trainers} inside servers need as many servers, not {sum(layout)}")
         self.start_bootstrap()
         self._plan_cores(sum(layout))
         slowdowns, delays = iter(loc.slowdowns), iter(loc.reply_delays)
@@ -177,8 +176,6 @@ class LocalSwarm:
                 server = self.add_server(stage, overrides, slowdown=slowdown)
                 if index is not None:
                     self.hosted[index] = server
-        if wait:
-            asyncio.run(self._wait_for_servers())
 
     def start_bootstrap(self) -> None:
         for stale in ("peers", "logs"):  # a run directory reused by a new run must not mix in the old one
@@ -296,7 +293,7 @@ class LocalSwarm:
             raise RuntimeError("the local swarm has not been started")
         return Directory(self.bootstrap.dht, self.cfg.net.run_id, self.cfg.net.record_ttl)
 
-    async def _wait_for_servers(self) -> None:
+    async def wait_for_servers(self) -> None:
         """Until every server launched so far has announced itself (`local.trainers_wait`)."""
         launched = self.servers()
         deadline, directory = time.monotonic() + self.cfg.local.timeout, self._directory()
