@@ -1,7 +1,7 @@
 """The local swarm against its peers: one process, and torch's own pipeline schedules, on one model.
 
     PYTHONPATH=src .venv/bin/python benchmarks/peers.py [--scenario fault-free|straggler|kill|copies|all]
-        [--repeat 3] [--steps N] [--set section.field=value ...]
+        [--repeat 3] [--steps N] [--runs 1f1b,swarm,...] [--set section.field=value ...]
 
 Every run trains the same model (by default GPT d_model 512, 4 layers, 8 heads, d_ff 2048, cut into 2
 stages, seq_len 128) on the same text with the same microbatch (8) and optimizer step (64 samples), and
@@ -37,6 +37,9 @@ every time.
   state crosses the network) and without them (`backup.holders=0`: a stage that loses every replica starts
   over, as torch's pipeline does). Reference: 1F1B. Not in `all`.
 
+`--runs` keeps some of a scenario's runs (its reference always among them): the same comparison, more
+repetitions in the same time.
+
 Each run's line ends with what the machine did meanwhile: the share of its CPU time a virtual machine's host
 took for others (steal, from /proc/stat), and one core's matmul rate just before and just after the run. Where
 either differs between the runs of one scenario, so do their rates.
@@ -44,7 +47,9 @@ either differs between the runs of one scenario, so do their rates.
 Each swarm run also says where the machine's cores went in its timed part: the servers' compute threads
 against everything else it runs (the servers' network threads, DHT processes, p2pd daemons, trainers,
 the bootstrap peer and the launcher), read from /proc. Each torch run says the same of its ranks: their
-main threads, which compute and call gloo, against their other threads (gloo's and torch's own).
+main threads, which compute and call gloo, against their other threads (gloo's and torch's own). Both give
+samples per core-second of the model's compute (of those threads): how much each side makes of the cores it
+computes on, apart from how many it leaves to the rest.
 
 Achieved GFLOP/s counts the model's training FLOPs per sample (matmuls and attention, forward and
 backward: 3x the forward) times samples/s; the single process's figure is the machine's limit.
@@ -373,6 +378,18 @@ def in_turn(runs: Runs, turn: int, probe_seconds: float = 2.0) -> dict[str, dict
     return {name: done[name] for name in names}
 
 
+def chosen(runs: Runs, names: str, reference: str) -> Runs:
+    """The runs `names` (comma-separated) picks, in the scenario's order, the reference always among them; all
+    of them when `names` is empty."""
+    picked = {n.strip() for n in names.split(",") if n.strip()}
+    if not picked:
+        return runs
+    unknown = picked - set(runs)
+    if unknown:
+        raise SystemExit(f"--runs: no run {', '.join(sorted(unknown))} in this scenario; its runs: {', '.join(runs)}")
+    return {n: run for n, run in runs.items() if n in picked | {reference}}
+
+
 SCENARIOS = {"fault-free": (fault_free, "1f1b"), "straggler": (straggler, "1f1b 2x2"),
              "kill": (kill, "swarm 2+1"), "gpu": (gpu, "single"), "copies": (copies, "1f1b")}
 IN_ALL = ("fault-free", "straggler", "kill", "gpu")  # what `--scenario all` runs
@@ -408,6 +425,9 @@ def report(scenario: str, results: dict[str, dict], single: float | None, flops:
             print(f"{'':<12} cores ({r['cores']['seconds']:.0f}s of the timed run): "
                   f"{cores.get('compute threads', 0):.2f} compute threads, {sum(v for _, v in rest):.2f} the rest: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in rest))
+            if cores.get("compute threads"):
+                r["per_compute_core"] = r["samples_per_second"] / cores["compute threads"]
+                print(f"{'':<12} {r['per_compute_core']:.2f} samples per core-second of the model's compute")
         if r.get("dht_ops", {}).get("per_second"):
             ops = r["dht_ops"]
             print(f"{'':<12} DHT operations of all peers: {ops['per_second']:.1f}/s over the run: "
@@ -427,6 +447,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="times each scenario runs; medians of ratios last")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps in each run, after one warm-up")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--runs", default="", help="only these runs of each scenario, comma-separated (e.g. "
+                        "1f1b,swarm,swarm+train); the scenario's reference is always among them")
     parser.add_argument("--run-dir", default="runs/bench-peers",
                         help="each swarm run's logs and summaries go to RUN_DIR/SCENARIO-REPEAT/RUN")
     args = parser.parse_args()
@@ -439,6 +461,7 @@ def main() -> None:
           f"samples; {flops / 1e9:.2f} GFLOP per sample")
     names = list(IN_ALL) if args.scenario == "all" else [args.scenario]
     ratios: dict[tuple[str, str], list[float]] = {}
+    per_core: dict[tuple[str, str], list[float]] = {}
     single = None
     for repeat in range(1, args.repeat + 1):
         for name in names:
@@ -447,17 +470,22 @@ def main() -> None:
             if runs is None:
                 print(f"\n{name}: skipped, torch sees no CUDA device on this machine")
                 continue
-            results = in_turn(runs, repeat - 1)
+            results = in_turn(chosen(runs, args.runs, SCENARIOS[name][1]), repeat - 1)
             single = results.get("single", {}).get("samples_per_second", single)
             report(name, results, single, flops)
             for run, r in results.items():
                 ratios.setdefault((name, run), []).append(r["vs_ref"] or 0.0)
                 if r.get("undrained_vs_ref"):
                     ratios.setdefault((name, f"{run}, undrained"), []).append(r["undrained_vs_ref"])
+                if r.get("per_compute_core"):
+                    per_core.setdefault((name, run), []).append(r["per_compute_core"])
     if args.repeat > 1:
         print(f"\nmedians of {args.repeat} (ratio to each scenario's reference)")
         for (name, run), values in ratios.items():
             print(f"{name:<11} {run:<21} {statistics.median(values):.3f}   ({', '.join(f'{v:.3f}' for v in values)})")
+        print("\nmedians of samples per core-second of the model's compute")
+        for (name, run), values in per_core.items():
+            print(f"{name:<11} {run:<21} {statistics.median(values):.2f}   ({', '.join(f'{v:.2f}' for v in values)})")
 
 
 if __name__ == "__main__":

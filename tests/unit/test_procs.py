@@ -106,6 +106,14 @@ def test_each_repetition_starts_from_another_run_and_results_keep_their_order(pe
                       ["single", "1f1b", "swarm"]]
 
 
+def test_runs_picked_keep_the_scenarios_order_and_its_reference(peers) -> None:
+    runs = {name: (lambda: {}) for name in ("single", "gpipe", "1f1b", "swarm", "swarm+train")}
+    assert peers.chosen(runs, "", "1f1b") is runs
+    assert list(peers.chosen(runs, "swarm+train, single", "1f1b")) == ["single", "1f1b", "swarm+train"]
+    with pytest.raises(SystemExit, match="no run swam in this scenario"):
+        peers.chosen(runs, "swam,swarm", "1f1b")
+
+
 def test_the_copies_scenario_runs_each_swarm_with_its_copies_and_without(peers, monkeypatch) -> None:
     started: dict[str, list[str]] = {}
     monkeypatch.setattr(peers, "swarm_run", lambda overrides, steps, run_dir: started.setdefault(run_dir, overrides))
