@@ -39,8 +39,10 @@ COMPUTE_BOUND = [
 
 def baseline(cfg, steps: int, device: str = "cpu") -> float:
     """Samples/s of ordinary training: one process, all cores (or one GPU, with the servers' GPU defaults:
-    bf16 autocast and TF32), same model, microbatch and step size."""
+    bf16 autocast and TF32), same model, microbatch and step size, denormals flushed as the servers'
+    compute is (`server.flush_denormal`)."""
     torch.set_num_threads(torch.get_num_threads())
+    torch.set_flush_denormal(cfg.server.flush_denormal)
     dev = prepare(torch.device(device))
     model = ComposedModel(load_stages(cfg.model)).to(dev)
     # the AdamW kernel the swarm's servers step with (`swarm.server.nag.fusable`)

@@ -8,7 +8,7 @@ the servers' optimizer at the step's warm-up learning rate), so the two runs' lo
 be slowed or killed at a step, to see what a fixed pipeline makes of a straggler or a lost peer. With
 `cpus`, every rank is held to that many cores (a machine of its own) and the slow rank to `cpus /
 slowdown`; without, the slow rank idles `slowdown - 1` times the CPU time it used, as a swarm server's
-`server.slowdown` does.
+`server.slowdown` does. Denormals are flushed on a rank as on a swarm server (`server.flush_denormal`).
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
         shares[rank].enter()
     torch.set_num_threads(1)
     cfg = load_config(overrides=overrides)
+    torch.set_flush_denormal(cfg.server.flush_denormal)
     n_stages, mb = cfg.model.num_stages, cfg.trainer.microbatch_size
     share = cfg.optim.target_batch_size // run.pipelines
     pipeline, stage_index = divmod(rank, n_stages)

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from swarm.config import ConfigError
 from swarm.config.checks import require
 from swarm.server.backlog import Backlog
@@ -77,11 +79,12 @@ class Deadline:
 
 class ComputeGate:
     def __init__(self, slowdown: float, cost_by_cpu: bool, quota: float | None = None,
-                 cores: Collection[int] = ()):
+                 cores: Collection[int] = (), flush_denormal: bool = False):
         """`slowdown`: see `_slowed`. `cost_by_cpu`: this thread does all of the work (a CPU server with
         one torch thread, not held to a CPU quota), so its CPU time is what a job costs. `quota`: the cores
         a CPU quota holds this server to, where this thread does all of the work there. `cores`: the CPUs
-        the thread is kept on (`server.compute_cores`; empty: any)."""
+        the thread is kept on (`server.compute_cores`; empty: any). `flush_denormal`: see
+        `server.flush_denormal`."""
         self.slowdown = slowdown
         self.cost_by_cpu = cost_by_cpu
         self.quota = quota
@@ -91,15 +94,18 @@ class ComputeGate:
         self.count_work: WorkCounter = lambda work, samples, seconds, alone: None
         self.cores: tuple[int, ...] = ()  # the CPUs the thread may run on, as the OS reports them once it runs
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compute",
-                                            initializer=self._start_thread, initargs=(usable_cores(cores),))
+                                            initializer=self._start_thread,
+                                            initargs=(usable_cores(cores), flush_denormal))
         self._cost = 0.0  # what the thread's last job cost
 
-    def _start_thread(self, cores: frozenset[int]) -> None:
+    def _start_thread(self, cores: frozenset[int], flush_denormal: bool) -> None:
         """Name the compute thread, and keep it on `cores` (if any): Linux pins the calling thread alone,
         and threads it starts later (torch's intra-op pool) inherit its cores, while the server's other
         threads and processes go wherever a core is free: servers sharing a machine keep their compute
-        off each other's cores and caches."""
+        off each other's cores and caches. The floating-point mode is the thread's own too, and its
+        pool's, which starts from it."""
         name_os_thread(COMPUTE_THREAD)
+        torch.set_flush_denormal(flush_denormal)
         if cores:
             os.sched_setaffinity(0, cores)
         if hasattr(os, "sched_getaffinity"):

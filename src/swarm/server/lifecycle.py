@@ -115,7 +115,7 @@ class StageServer:
         # (as served; see ComputeGate.run_locked for the figure rebalancing takes)
         alone, quota = cfg.server.device == "cpu" and torch.get_num_threads() == 1, quota_cores()
         self.gate = ComputeGate(cfg.server.slowdown, alone and quota is None, quota if alone else None,
-                                cfg.server.compute_cores)
+                                cfg.server.compute_cores, cfg.server.flush_denormal)
         self.handlers = StageHandlers(cfg.model, cfg.server, self.hash, int(cfg.net.max_payload_mb * 2**20),
                                       self.gate, self.stop.is_set)
         self.peer = await join(cfg.net, cfg.wire, self.traffic, serving=True)
