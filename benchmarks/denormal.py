@@ -85,7 +85,6 @@ def block(cfg) -> None:
 
 
 def train(cfg, steps: int, flush: bool) -> None:
-    torch.set_num_threads(1)
     torch.set_flush_denormal(flush)
     m = cfg.model
     model = ComposedModel(load_stages(m))
@@ -135,8 +134,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="section.field=value")
     args = parser.parse_args()
     cfg = load_config(overrides=args.set)
+    torch.set_num_threads(1)
     if args.what == "block":
-        torch.set_num_threads(1)
         block(cfg)
     else:
         train(cfg, args.steps, args.flush)

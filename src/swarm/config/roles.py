@@ -27,9 +27,10 @@ class ServerConfig:
     fp16_growth_interval: int = 2000
     threads: int = 0  # torch intra-op threads; 0 keeps torch's default
     # values too small for a float's normal range (denormals) read and computed as zero on a CPU: a matmul
-    # with them as operands ran 90x slower here, and as a model learns its attention sharpens until some
-    # of its probabilities underflow into that range (benchmarks/denormal.py). A stage's replicas should
-    # agree on it, as on autocast: where they differ the all-reduce finds their digests apart
+    # with half of one operand denormal ran 110x slower here, and as a model learns its attention sharpens
+    # until some of its probabilities underflow into that range (benchmarks/denormal.py). A stage's replicas
+    # should agree on it, as on autocast: where they differ, their steps may differ in the last bits, which
+    # the all-reduce's comparison of digests finds
     flush_denormal: bool = True
     # CPU ids the compute thread, and the torch threads it starts, are kept on (empty: wherever the OS puts
     # them); its network and DHT work goes wherever a core is free. For servers sharing a machine: each on
