@@ -217,6 +217,16 @@ def test_a_split_part_longer_than_its_shape_is_refused() -> None:
     assert type(info.value) is BadRequest
 
 
+def test_a_shape_declaring_more_than_its_bytes_is_refused_for_them_before_any_memory_is_taken() -> None:
+    """A stranger's part declaring 4 TiB with a few bytes sent: refused for the bytes it lacks, its declared
+    size never allocated (an allocation of it would fail, or reserve what the peer never sent)."""
+    messages = list(encode({}, [torch.zeros(4)]))
+    messages[0].tensors[0].size[:] = [1 << 20, 1 << 20]
+    with pytest.raises(BadRequest, match=r"16 bytes for \[1048576, 1048576\] float32") as info:
+        decode_list(messages)
+    assert type(info.value) is BadRequest
+
+
 def test_empty_stream_is_refused() -> None:
     """A stream closed before its first message has no metadata: refused, not an empty request."""
     with pytest.raises(BadRequest, match="empty stream"):

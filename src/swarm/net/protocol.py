@@ -246,8 +246,9 @@ def _collect(chunked: list[list[Part]]) -> tuple[list[torch.Tensor], list[int]]:
 
 def _joined(chunks: list[Part], last: bool) -> tuple[torch.Tensor, int]:
     """A raw part as a tensor, and its bytes. The first chunk says the dtype and shape; every chunk's bytes
-    (a view of the message they came in) are copied once, straight into the tensor. The last part of a
-    stream that ended early is short by whole chunks."""
+    (a view of the message they came in) are copied once, straight into the tensor, whose memory is taken
+    only once the chunks are found to fill it exactly. The last part of a stream that ended early is short
+    by whole chunks."""
     first = chunks[0]
     dtype = codecs.DTYPES.get(first.dtype)
     if dtype is None:
@@ -258,18 +259,19 @@ def _joined(chunks: list[Part], last: bool) -> tuple[torch.Tensor, int]:
     if any(n < 0 for n in shape):
         raise BadRequest(f"malformed payload: negative size in {shape}")
     expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    out = torch.empty(expected, dtype=torch.uint8)
-    into, received = out.numpy(), 0
-    for chunk in chunks:
-        data = chunk.buffer
-        if received + len(data) <= expected:
-            into[received:received + len(data)] = numpy.frombuffer(data, numpy.uint8)
-        received += len(data)
+    received = sum(len(chunk.buffer) for chunk in chunks)
     if last and received < expected and received % CHUNK_BYTES == 0:
         raise Truncated(f"the stream ended {received} of {expected} bytes into its last tensor part")
     if received != expected:
         raise BadRequest(f"malformed payload: {received} bytes for {shape} {first.dtype} ({expected})")
-    return out.view(dtype).view(shape) if expected else torch.empty(shape, dtype=dtype), expected
+    if not expected:
+        return torch.empty(shape, dtype=dtype), 0
+    out = torch.empty(expected, dtype=torch.uint8)
+    into, at = out.numpy(), 0
+    for chunk in chunks:
+        into[at:at + len(chunk.buffer)] = numpy.frombuffer(chunk.buffer, numpy.uint8)
+        at += len(chunk.buffer)
+    return out.view(dtype).view(shape), expected
 
 
 @contextlib.contextmanager
