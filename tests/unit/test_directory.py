@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import ValueWithExpiration
 
+from swarm.core import plan_for_swarm
 from swarm.net import directory as directory_module
 from swarm.net.directory import Directory
 from swarm.net.identity import peer_id_of
@@ -222,5 +224,37 @@ def test_a_look_at_the_layout_takes_a_read_of_the_stages_made_within_its_period(
         now[0] += 5.5
         await directory.stages(2, fresh=5.0)
         assert dht.searches == 3 and dht.gets == 0
+
+    asyncio.run(main())
+
+
+def test_a_server_between_two_stages_is_seen_moving_until_it_is_live_at_its_new_one(monkeypatch) -> None:
+    """A server that left stage 0 for stage 1 has only its tombstone there until it holds stage 1's state
+    and announces itself: the mover's look counts it as moving from stage 0 (so the policy waits, rather
+    than send another server after it), other readers not at all; once it is live at stage 1, it is there."""
+    clock = [100.0]
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: clock[0])
+    values, peers = _stage_values(clock[0])
+    mover, *stayers = (peer_id_of(Ed25519PrivateKey.generate().public_key()) for _ in range(3))
+    left = ServerRecord(mover, 0, 1.0, 0, 0, 0, "hash", {}, moving=True, gone=True)
+    values[stage_key("run", 0)][mover] = ValueWithExpiration(left.to_value(), clock[0] + 6.0)
+    for peer in stayers:  # stage 0 keeps three servers to stage 1's one
+        values[stage_key("run", 0)][peer] = ValueWithExpiration(
+            ServerRecord(peer, 0, 1.0, 0, 0, 0, "hash", {}).to_value(), clock[0] + 6.0)
+    directory = Directory(_SearchingDHT(values), "run", record_ttl=6.0)
+
+    def plan(found):
+        return plan_for_swarm([replace(s, tenure=60.0, throughput=1.0) for s in found], 2, min_gain=1.1, cooldown=8.0)
+
+    async def main() -> None:
+        seen = await seats(directory, 2, "hash", in_transit=True)
+        assert [(s.peer, s.stage, s.moving) for s in seen if s.peer == mover] == [(mover, 0, True)]
+        assert len(seen) == 5 and plan(seen) is None
+        others_view = await seats(directory, 2, "hash")
+        assert mover not in {s.peer for s in others_view} and plan(others_view) is not None
+        arrived = ServerRecord(mover, 1, 1.0, 0, 0, 0, "hash", {}, previous_stage=0)
+        values[stage_key("run", 1)][mover] = ValueWithExpiration(arrived.to_value(), clock[0] + 6.0)
+        seen = await seats(directory, 2, "hash", in_transit=True)
+        assert [(s.peer, s.stage, s.moving) for s in seen if s.peer == mover] == [(mover, 1, False)]
 
     asyncio.run(main())

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
-from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
+from swarm.core.rebalance import (
+    Move,
+    Seat,
+    capacities,
+    choose_stage,
+    layout_of,
+    plan_for_swarm,
+    plan_move,
+    still_planned,
+)
 
 
 def test_a_balanced_swarm_makes_no_move() -> None:
@@ -83,6 +93,46 @@ def test_no_move_while_a_server_has_no_figure_unless_it_never_gets_one() -> None
     assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) == Move("slow", 0, 1, before=4.0, after=6.0)
     seats[1] = Seat("slow", 0, 0.0, 90.0)
     assert plan_for_swarm(seats, 2, min_gain=1.2, cooldown=30.0) is not None
+
+
+def _four_one_one(**mover) -> list[Seat]:
+    """Four servers of stage 0 (d the fastest) and one of each other stage, all long settled; `mover` sets
+    d's record."""
+    return [Seat("a", 0, 10.0, 60.0), Seat("b", 0, 10.0, 60.0), Seat("c", 0, 10.0, 60.0),
+            Seat("d", 0, **{"throughput": 10.5, "tenure": 60.0, **mover}), Seat("e", 1, 10.0, 60.0),
+            Seat("f", 2, 9.0, 60.0)]
+
+
+def test_a_move_planned_while_another_server_was_between_stages_is_called_off() -> None:
+    """a left stage 0 for stage 2 and is not yet announced there: d, seeing three servers in stage 0 and
+    none moving, plans the same move. Once a is seen at stage 2 and settled, stage 1 is the bottleneck,
+    and d's move to stage 2 no longer stands; before that (a just arrived) no move stands at all."""
+    in_the_gap = _four_one_one()[1:]
+    planned = plan_for_swarm(in_the_gap, 3, min_gain=1.15, cooldown=8.0)
+    assert planned == Move("d", 0, 2, before=9.0, after=19.5)
+    drained = _four_one_one(moving=True)[1:]
+    assert still_planned([*drained, Seat("a", 2, 10.0, tenure=10.0)], planned, 3, min_gain=1.15, cooldown=8.0) is False
+    assert still_planned([*drained, Seat("a", 2, 10.0, tenure=2.0)], planned, 3, min_gain=1.15, cooldown=8.0) is False
+
+
+def test_a_move_still_worth_making_stands_though_the_policy_would_name_a_server_as_fast() -> None:
+    """While d drained, its figures drifted below b's and c's: the policy now names b, yet d's own move
+    gains as much as the policy asks, so it stands; with nothing changed it stands all the more."""
+    planned = plan_for_swarm(_four_one_one()[1:], 3, min_gain=1.15, cooldown=8.0)
+    assert still_planned(_four_one_one(moving=True)[1:], planned, 3, min_gain=1.15, cooldown=8.0) is True
+    drifted = _four_one_one(moving=True, throughput=9.5)[1:]
+    assert plan_for_swarm([replace(s, moving=False) for s in drifted], 3, 1.15, 8.0).peer == "b"
+    assert still_planned(drifted, planned, 3, min_gain=1.15, cooldown=8.0) is True
+
+
+def test_a_move_stands_only_while_nobody_else_is_moving_and_the_mover_is_in_view() -> None:
+    planned = plan_for_swarm(_four_one_one()[1:], 3, min_gain=1.15, cooldown=8.0)
+    others_moving = [*_four_one_one(moving=True)[1:3], Seat("c", 0, 10.0, 60.0, moving=True),
+                     *_four_one_one()[4:]]
+    assert still_planned(others_moving, planned, 3, min_gain=1.15, cooldown=8.0) is False
+    without_d = [seat for seat in _four_one_one() if seat.peer != "d"]
+    assert plan_for_swarm(without_d, 3, 1.15, 8.0) is not None
+    assert still_planned(without_d, planned, 3, min_gain=1.15, cooldown=8.0) is False
 
 
 def test_the_swarm_plan_includes_empty_stages() -> None:

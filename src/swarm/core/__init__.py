@@ -11,7 +11,16 @@ from swarm.core.bans import BanList
 from swarm.core.delivery import Asked, LedgerAnswer, LedgerReply, Verdict, judge, merge_answers, worth_asking
 from swarm.core.health import Diagnosis, ServerFigures, diagnose
 from swarm.core.partition import split_layers
-from swarm.core.rebalance import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, plan_move
+from swarm.core.rebalance import (
+    Move,
+    Seat,
+    capacities,
+    choose_stage,
+    layout_of,
+    plan_for_swarm,
+    plan_move,
+    still_planned,
+)
 from swarm.core.retry import backoff_delay
 from swarm.core.routing import (
     Candidate,
@@ -53,6 +62,7 @@ __all__ = [
     "routing_weight",
     "split_layers",
     "stage_ready",
+    "still_planned",
     "unmeasured_throughput",
     "warmup_lr",
     "worth_asking",

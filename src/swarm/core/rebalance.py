@@ -5,7 +5,8 @@ servers' measured throughputs (samples/s of forward+backward), so servers of dif
 by what they do. Every server evaluates the same plan from the same DHT figures: the single move
 into the bottleneck stage that helps it most (see `plan_move`). Only the server the plan names
 moves, which is the tie-break that keeps two servers from moving at once; the caller adds a cooldown
-and a random delay before acting, and re-checks that the plan still names it.
+and a random delay before acting, re-checks that the plan still names it, and, once it has drained its
+work, that the move still stands (`still_planned`).
 
 A server is predicted to be as fast in another stage as in its own: stages are cut to cost about the
 same per sample (`swarm.core.partition`), while servers differ widely. (Scaling by the ratio of the
@@ -21,7 +22,7 @@ the same functions.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 Layout = Mapping[int, Mapping[str, float]]  # stage -> {server id -> throughput}
 
@@ -109,6 +110,26 @@ def plan_for_swarm(seats: Iterable[Seat], num_stages: int, min_gain: float, cool
     if any(seat.throughput <= 0 and seat.tenure < 3 * cooldown for seat in seats):
         return None
     return plan_move(layout_of(seats, num_stages), min_gain)
+
+
+def still_planned(seats: Iterable[Seat], move: Move, num_stages: int, min_gain: float, cooldown: float) -> bool:
+    """Whether `move`, decided before its server drained its work, is still worth making. Meanwhile others
+    may have moved: a server between two stages is in neither's records (it has left the one, it has not
+    yet announced itself at the other), so a plan made in that gap counts its target short of a server
+    and sends a second one after it. The move still stands where the policy, looking again, moves a
+    server from its source into its target and this server's own move gains as much as the policy asks
+    (the policy may name another server of about its speed: figures drift while it drains). The mover's
+    own record says it is moving; it counts here as where it is."""
+    seats = [replace(seat, moving=False) if seat.peer == move.peer else seat for seat in seats]
+    again = plan_for_swarm(seats, num_stages, min_gain, cooldown)
+    layout = layout_of(seats, num_stages)
+    if again is None or (again.source, again.target) != (move.source, move.target):
+        return False
+    if move.peer not in layout[move.source]:  # the view lacks the mover itself: it is incomplete
+        return False
+    caps, speed = capacities(layout), layout[move.source][move.peer]
+    after = min(caps[move.source] - speed, caps[move.target] + speed)
+    return after > caps[move.target] and after >= caps[move.target] * min_gain
 
 
 def choose_stage(layout: Layout) -> int:

@@ -57,6 +57,8 @@ class Directory:
         # stage key (or the trainers') -> the latest read of it (its monotonic and DHT times begun, its future):
         # see `read_stages`
         self._shared: dict[str, tuple[float, float, asyncio.Future]] = {}
+        # stage -> the tombstones of servers that left it for another stage, as last read (see `in_transit`)
+        self._moved_off: dict[int, list[ServerRecord]] = {}
 
     async def announce_server(self, record: ServerRecord) -> None:
         self.ops["announce"] += 1
@@ -120,14 +122,23 @@ class Directory:
 
     def _live_servers(self, stage: int, found) -> list[ServerRecord]:
         parse = _by_peer(ServerRecord.from_value)
-        live = [(r, expires) for r, expires in _entries(found, parse, self.ttl + CLOCK_SLACK)
-                if not r.gone and r.stage == stage]
+        entries = [(r, expires) for r, expires in _entries(found, parse, self.ttl + CLOCK_SLACK) if r.stage == stage]
+        live = [(r, expires) for r, expires in entries if not r.gone]
+        self._moved_off[stage] = [r for r, _ in entries if r.gone and r.moving]
         for r, expires in live:
             self.expires[r.peer_id] = max(expires, self.expires.get(r.peer_id, expires))
         long_gone = get_dht_time() - FORGET_EXPIRED
         for peer in [p for p, expires in self.expires.items() if expires < long_gone]:
             del self.expires[peer]
         return [r for r, _ in live]
+
+    def in_transit(self, stages: Mapping[int, list[ServerRecord]]) -> list[ServerRecord]:
+        """The servers between two stages, as the read that found `stages`' live servers shows them: each
+        left one of them for another (its tombstone there says it was moving) and is live in none yet. It
+        announces itself at its new stage only once it holds that stage's state, so until then only its
+        tombstone, which lives `record_ttl`, tells others that it is on its way."""
+        live = {r.peer_id for records in stages.values() for r in records}
+        return [r for k in stages for r in self._moved_off.get(k, []) if r.peer_id not in live]
 
     async def live_at(self, stage: int, epoch: int, peers: frozenset[str]) -> frozenset[str]:
         """Those of `peers` whose records in a fresh read of `stage` are live and at `epoch`."""

@@ -10,7 +10,7 @@ import logging
 import time
 
 from swarm.config import RebalanceConfig
-from swarm.core import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm
+from swarm.core import Move, Seat, capacities, choose_stage, layout_of, plan_for_swarm, still_planned
 from swarm.net.directory import Directory
 from swarm.results import PeerResults
 from swarm.server.announcing import Announcer
@@ -21,12 +21,15 @@ from swarm.server.stage import ServedStage
 log = logging.getLogger("swarm.server")
 
 
-async def seats(directory: Directory, num_stages: int, config_hash: str, fresh: float = 0.0) -> list[Seat]:
+async def seats(directory: Directory, num_stages: int, config_hash: str, fresh: float = 0.0,
+                in_transit: bool = False) -> list[Seat]:
     """Every live server of the run (with our settings) as the rebalancing policy sees it, from a read of
-    this peer's up to `fresh` seconds old."""
+    this peer's up to `fresh` seconds old; with `in_transit`, also those between two stages, as moving
+    from the one they left (the policy makes no move while one is under way)."""
     stages = await directory.stages(num_stages, fresh)
+    moving = directory.in_transit(stages) if in_transit else []
     return [Seat(r.peer_id, r.stage, r.capacity, r.tenure, r.moving)
-            for records in stages.values() for r in records if r.config_hash == config_hash]
+            for r in [*(r for records in stages.values() for r in records), *moving] if r.config_hash == config_hash]
 
 
 async def least_served_stage(directory: Directory, num_stages: int, config_hash: str, label: str) -> int:
@@ -61,7 +64,7 @@ class Mover:
         trainers = await self.directory.trainers(fresh=self.rc.period)
         if not trainers or all(t.done for t in trainers):
             return None
-        found = await seats(self.directory, self.num_stages, self.hash, fresh)
+        found = await seats(self.directory, self.num_stages, self.hash, fresh, in_transit=True)
         if self.peer_id not in {seat.peer for seat in found}:
             return None
         move = plan_for_swarm(found, self.num_stages, self.rc.min_gain, self.rc.cooldown)
@@ -95,7 +98,8 @@ class Mover:
         says `moving`, and new work is refused), the in-flight ones' backward passes are still served,
         and the stage's next step takes in the gradients this replica holds, so nothing is left to
         replay. Bounded by `server.leave_timeout`; what is still held then is dropped (and replayed by
-        its trainers). False if the move is called off: no other server is left to serve the stage."""
+        its trainers). False if the move is called off: no other server is left to serve the stage, or the
+        layout changed meanwhile and the policy no longer makes this move (`still_planned`)."""
         st = self.stage
         started = time.monotonic()
         st.moving_to = move.target
@@ -111,9 +115,11 @@ class Mover:
         # from here on even backward passes go elsewhere (set without yielding to the loop in between:
         # a backward admitted before is counted in the gate's queue, so none can slip in unstepped)
         st.drained = True
-        others = [r for r in await self.directory.stage(st.index) if r.peer_id != self.peer_id and not r.moving]
-        if not others:
-            log.warning("stage %d server %s stays: no other server of the stage is left", st.index, st.label)
+        found = await seats(self.directory, self.num_stages, self.hash, in_transit=True)
+        others = [seat for seat in found if seat.stage == st.index and seat.peer != self.peer_id and not seat.moving]
+        if not others or not still_planned(found, move, self.num_stages, self.rc.min_gain, self.rc.cooldown):
+            log.warning("stage %d server %s stays: %s", st.index, st.label, "no other server of the stage is left"
+                        if not others else f"a move to stage {move.target} is no longer the plan")
             st.moving_to, st.drained = None, False
             await self.announcer.announce()
             return False
