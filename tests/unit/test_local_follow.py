@@ -54,13 +54,18 @@ def follow(tmp_path, monkeypatch, hook=None) -> tuple[list[float], float]:
     return looks, ended[0]
 
 
+def assert_seldom_while_training(looks: list[float], ended: float) -> None:
+    """The two looks while the trainer ran came FOLLOW_EVERY apart. A look is decided on the launcher's tick
+    and timed here once it has begun, so two looks' times differ from their decisions' (FOLLOW_EVERY apart
+    or more) by how long each took to begin, far less than a tick."""
+    training = [b - a for a, b in zip(looks, looks[1:], strict=False) if b <= ended]
+    assert len(training) == 2 and min(training) >= FOLLOW_EVERY - TICK
+
+
 def test_a_plain_run_is_looked_at_seldom_while_it_trains_and_often_after(tmp_path, monkeypatch) -> None:
     looks, ended = follow(tmp_path, monkeypatch)
-    training = [b - a for a, b in zip(looks, looks[1:], strict=False) if b <= ended]
     after = [b - a for a, b in zip(looks, looks[1:], strict=False) if b > ended]
-    # a look is decided on the launcher's tick and timed here once it has begun: two looks' times differ from
-    # their decisions' (FOLLOW_EVERY apart or more) by how long each took to begin, far less than a tick
-    assert len(training) == 2 and min(training) >= FOLLOW_EVERY - TICK
+    assert_seldom_while_training(looks, ended)
     assert len(after) == 3 and max(after) < FOLLOW_EVERY / 2
 
 
@@ -79,11 +84,8 @@ def test_a_run_whose_watcher_is_done_is_looked_at_as_a_plain_one(tmp_path, monke
         return True  # done: the peer is killed
 
     looks, ended = follow(tmp_path, monkeypatch, kill_once)
-    training = [b - a for a, b in zip(looks, looks[1:], strict=False) if b <= ended]
     assert len(seen) == 1
-    # a look is decided on the launcher's tick and timed here once it has begun: two looks' times differ from
-    # their decisions' (FOLLOW_EVERY apart or more) by how long each took to begin, far less than a tick
-    assert len(training) == 2 and min(training) >= FOLLOW_EVERY - TICK
+    assert_seldom_while_training(looks, ended)
 
 
 def test_a_failed_trainer_ends_the_follow_at_once(tmp_path, monkeypatch) -> None:

@@ -127,8 +127,7 @@ def test_a_move_still_worth_making_stands_though_the_policy_would_name_a_server_
 
 def test_a_move_stands_only_while_nobody_else_is_moving_and_the_mover_is_in_view() -> None:
     planned = plan_for_swarm(_four_one_one()[1:], 3, min_gain=1.15, cooldown=8.0)
-    others_moving = [*_four_one_one(moving=True)[1:3], Seat("c", 0, 10.0, 60.0, moving=True),
-                     *_four_one_one()[4:]]
+    others_moving = [_four_one_one()[1], Seat("c", 0, 10.0, 60.0, moving=True), *_four_one_one(moving=True)[3:]]
     assert still_planned(others_moving, planned, 3, min_gain=1.15, cooldown=8.0) is False
     without_d = [seat for seat in _four_one_one() if seat.peer != "d"]
     assert plan_for_swarm(without_d, 3, 1.15, 8.0) is not None

@@ -122,9 +122,9 @@ def still_planned(seats: Iterable[Seat], move: Move, num_stages: int, min_gain: 
     own record says it is moving; it counts here as where it is."""
     seats = [replace(seat, moving=False) if seat.peer == move.peer else seat for seat in seats]
     again = plan_for_swarm(seats, num_stages, min_gain, cooldown)
-    layout = layout_of(seats, num_stages)
     if again is None or (again.source, again.target) != (move.source, move.target):
         return False
+    layout = layout_of(seats, num_stages)
     if move.peer not in layout[move.source]:  # the view lacks the mover itself: it is incomplete
         return False
     caps, speed = capacities(layout), layout[move.source][move.peer]
