@@ -169,3 +169,24 @@ def test_a_stage_pipeline_trains_on_the_gpu(autocast: str) -> None:
         assert bool(torch.isfinite(mean).all())
         rt.apply_step(mean, 4, 1)
         assert rt.digest() != before and rt.epoch == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_a_gpu_stages_state_goes_out_as_host_copies_and_a_step_then_changes_it_in_place() -> None:
+    """A reader of a GPU stage's state (a checkpoint, a download served) gets copies on the host, which the
+    stage's steps cannot touch: a step while the reader holds them leaves the live state where it is, where a
+    CPU stage's would move it to fresh memory (tests/unit/test_runtime.py)."""
+    stage = load_stages(tiny_cfg(2, 2))[1]
+    rt = StageRuntime(stage, OPTIM, device="cuda", wire=WIRE)
+    mean = torch.full((sum(p.numel() for p in rt.params),), 1e-3)
+    rt.apply_step(mean, 4, 1)  # (the optimizer's state exists from here)
+    meta, lent = rt.state()
+    assert all(t.device.type == "cpu" for t in lent)
+    copied = [t.clone() for t in lent]
+    params = [p.data_ptr() for p in rt.params]
+    moments = [st["exp_avg"].data_ptr() for st in rt.optimizer.state.values()]
+    rt.apply_step(mean, 4, 2)
+    assert [p.data_ptr() for p in rt.params] == params
+    assert [st["exp_avg"].data_ptr() for st in rt.optimizer.state.values()] == moments
+    assert all(torch.equal(a, b) for a, b in zip(lent, copied, strict=True))
+    assert meta["digest"] != rt.digest()

@@ -96,8 +96,38 @@ def test_kernels_that_cannot_run_here_leave_the_digest_to_the_host(monkeypatch: 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_a_gpu_replica_and_a_cpu_replica_agree() -> None:
+def test_a_gpu_replica_and_a_cpu_replica_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Computed by the kernels on the GPU: the host's hash, where they could not run, would agree too. The
+    kernels are also called alone over windows of three chunks, so the input spans several."""
+    from swarm.server import blake3_gpu
+
+    monkeypatch.setattr(weights_hash, "_kernels_failed", False)
     for seed in (3, 4):
         assert digest([w.cuda() for w in weights(seed)]) == digest(weights(seed)) == reference(weights(seed))
-    big = [torch.randn(4096, 3000, generator=torch.Generator().manual_seed(5))]  # 48 MiB: windows and deep trees
+    big = [torch.randn(4096, 3000, generator=torch.Generator().manual_seed(5))]  # 48 MiB: deep trees
     assert digest([w.cuda() for w in big]) == digest(big)
+    assert not weights_hash._kernels_failed
+    monkeypatch.setattr(blake3_gpu, "WINDOW", 3)
+    gen = torch.Generator().manual_seed(0)
+    for n in [0, 65, 1024, 1025, 3 * 1024 + 5, 7 * 1024 + 9]:
+        data = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+        assert blake3_gpu.stream_hash([data.cuda()]) == blake3.blake3(data.numpy()).digest(), n
+
+
+def test_a_gpu_out_of_memory_hashes_that_digest_on_the_host_and_tries_the_gpu_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Memory runs short for a moment (a step's peak, a download's buffers): the kernels are not given up."""
+    tries = []
+
+    def short_of_memory(tensors):
+        tries.append(len(tensors))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    monkeypatch.setitem(sys.modules, "swarm.server.blake3_gpu", types.SimpleNamespace(stream_hash=short_of_memory))
+    monkeypatch.setattr(weights_hash, "_kernels_failed", False)
+    with caplog.at_level(logging.WARNING, logger="swarm.server.weights_hash"):
+        assert weights_hash._on_device(weights(6)) is None
+        assert weights_hash._on_device(weights(6)) is None
+    assert tries == [4, 4] and not weights_hash._kernels_failed
+    assert [r.getMessage() for r in caplog.records] == [
+        "the GPU had no memory for the digest's buffers: this digest is computed on the host"] * 2

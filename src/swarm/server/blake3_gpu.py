@@ -10,6 +10,8 @@ the tensors laid end to end (the `blake3` package on a CPU gives the same; tests
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -160,8 +162,15 @@ def _windows(tensors: list[torch.Tensor], total: int, device: torch.device):
 
 
 def stream_hash(tensors: list[torch.Tensor]) -> bytes:
-    """BLAKE3 of the tensors' bytes end to end, computed where they are (one device for all)."""
+    """BLAKE3 of the tensors' bytes end to end, computed where they are (one device for all). Triton
+    launches on the calling thread's current GPU, which is the tensors' only on the compute thread (a
+    server's main thread digests too, for its summary)."""
     device = tensors[0].device
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return _hashed(tensors, device)
+
+
+def _hashed(tensors: list[torch.Tensor], device: torch.device) -> bytes:
     total = sum(t.numel() * t.element_size() for t in tensors)
     count = max(1, -(-total // CHUNK))
     nodes = torch.empty(count, 8, dtype=torch.int32, device=device)

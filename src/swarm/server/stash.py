@@ -7,7 +7,8 @@ forward at the new weights cost a fifth to four fifths of a stage's backwards.
 
 Instead, a forward runs under saved-tensor hooks that save a reference to a parameter (the parameter,
 or any view of it) rather than the tensor itself. Just before a step changes weights that kept graphs
-still need, `keep` copies them, once per step, whatever the number of graphs. A backward then reads
+still need, `keep` copies them, once per step, whatever the number of graphs (only those some graph saved:
+under autocast a matmul saves its own half-precision cast of the weight, which no step changes). A backward then reads
 the weights its forward ran at: the live ones if no step came in between, else the copy. Its gradient
 is the exact gradient at the weights its forward saw, for the stage's parameters and its inputs alike,
 and goes into the step that follows the backward (a microbatch overtaken by a step counts one step
@@ -39,7 +40,8 @@ class KeptWeights:
         """`version`: the runtime's count of changes to the weights, read when a graph is unpacked."""
         self.params = params
         self.version = version
-        self._kept: dict[int, list[torch.Tensor]] = {}
+        self._kept: dict[int, list[torch.Tensor | None]] = {}
+        self._saved: dict[int, set[int]] = {}  # version -> the parameters graphs saved by reference at it
 
     def holds(self, version: int) -> bool:
         return version in self._kept
@@ -52,12 +54,16 @@ class KeptWeights:
         slots = {(p.device, p.untyped_storage().data_ptr()): i for i, p in enumerate(self.params)
                  if p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()}
         at = self.version()
+        saved = self._saved.setdefault(at, set())
 
         def pack(t: torch.Tensor) -> torch.Tensor | _ParamView:
             if t.layout != torch.strided:
                 return t
             i = slots.get((t.device, t.untyped_storage().data_ptr()))
-            return t if i is None else _ParamView(i, at, t.size(), t.stride(), t.storage_offset())
+            if i is None:
+                return t
+            saved.add(i)
+            return _ParamView(i, at, t.size(), t.stride(), t.storage_offset())
 
         def unpack(saved: torch.Tensor | _ParamView) -> torch.Tensor:
             if not isinstance(saved, _ParamView):
@@ -74,10 +80,15 @@ class KeptWeights:
         a saved view reads the same elements of the copy)."""
         version = self.version()
         if version not in self._kept:
-            self._kept[version] = [torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device).copy_(p)
-                                   for p in self.params]
+            saved = self._saved.get(version, ())
+            self._kept[version] = [
+                torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device).copy_(p) if i in saved
+                else None for i, p in enumerate(self.params)]
 
     def release(self, needed: Iterable[int]) -> None:
         """Drop the copies no kept graph needs any more."""
-        for version in self._kept.keys() - set(needed):
+        needed = set(needed)
+        for version in self._kept.keys() - needed:
             del self._kept[version]
+        for version in self._saved.keys() - needed - {self.version()}:
+            del self._saved[version]

@@ -32,8 +32,10 @@ class Lender:
         self._lent: list[weakref.ref] = []
 
     def lend(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor on the host: itself where it lives there (remembered), else the reader's own copy."""
         lent = tensor.detach().cpu()
-        self._lent.append(weakref.ref(lent))
+        if lent.data_ptr() == tensor.data_ptr():
+            self._lent.append(weakref.ref(lent))
         return lent
 
     def held(self) -> bool:

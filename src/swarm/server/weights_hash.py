@@ -27,7 +27,8 @@ _kernels_failed = False  # set once the GPU kernels could not run here: the host
 
 
 def _on_device(tensors: list[torch.Tensor]) -> bytes | None:
-    """BLAKE3 of the tensors computed on their GPU, or None where the kernels cannot run (said once)."""
+    """BLAKE3 of the tensors computed on their GPU, or None where the kernels cannot run (said once) or the
+    GPU has no memory left for their buffers (this time only: the host hashes this digest)."""
     global _kernels_failed
     if _kernels_failed:
         return None
@@ -35,6 +36,9 @@ def _on_device(tensors: list[torch.Tensor]) -> bytes | None:
         from swarm.server.blake3_gpu import stream_hash
 
         return stream_hash(tensors)
+    except torch.cuda.OutOfMemoryError:
+        log.warning("the GPU had no memory for the digest's buffers: this digest is computed on the host")
+        return None
     except Exception as e:  # ImportError without Triton; a compile error on a GPU Triton does not support
         _kernels_failed = True
         log.warning("the weights' digest is computed on the host from now on: the GPU kernels cannot run "
