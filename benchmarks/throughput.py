@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from torchpipe import step_stage  # (a sibling script: this one's folder is on the path)
 
 from swarm.config import load_config
 from swarm.data import load_samples, split_inputs_targets
@@ -27,7 +28,7 @@ from swarm.model import ComposedModel, load_stages
 from swarm.net.protocol import encode
 from swarm.ops.run import run_local
 from swarm.server.device import autocast_dtype, prepare
-from swarm.server.nag import fusable
+from swarm.server.nag import stage_optimizer
 
 COMPUTE_BOUND = [
     "model.d_model=512", "model.n_heads=8", "model.d_ff=2048", "model.n_layers=4", "model.seq_len=256",
@@ -40,27 +41,30 @@ COMPUTE_BOUND = [
 def baseline(cfg, steps: int, device: str = "cpu") -> float:
     """Samples/s of ordinary training: one process, all cores (or one GPU, with the servers' GPU defaults:
     bf16 autocast and TF32), same model, microbatch and step size, denormals flushed as the servers'
-    compute is (`server.flush_denormal`)."""
+    compute is (`server.flush_denormal`). Each stage steps as a server steps it, and as a torch rank does
+    (`torchpipe.step_stage`): the servers' optimizer, its gradient clipped, the warm-up learning rate."""
     torch.set_num_threads(torch.get_num_threads())
     torch.set_flush_denormal(cfg.server.flush_denormal)
     dev = prepare(torch.device(device))
     model = ComposedModel(load_stages(cfg.model)).to(dev)
-    # the AdamW kernel the swarm's servers step with (`swarm.server.nag.fusable`)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            fused=fusable(list(model.parameters())))
+    stages = [list(stage.parameters()) for stage in model.stages]
+    opts = [stage_optimizer(params, cfg.optim) for params in stages]
+    taken = 0
     table = load_samples(cfg.data, cfg.model)
     batches = table.stream(cfg.trainer.microbatch_size)
     per_step = cfg.optim.target_batch_size // cfg.trainer.microbatch_size
     dtype = autocast_dtype(cfg.server.autocast, dev)
 
     def step() -> None:
+        nonlocal taken
         for _ in range(per_step):
             inputs, targets = (t.to(dev) for t in split_inputs_targets(next(batches), table.pad_id))
             with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
                 loss = model(inputs, targets)
             (loss * inputs.shape[0] / cfg.optim.target_batch_size).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for params, opt in zip(stages, opts, strict=True):
+            step_stage(params, opt, cfg.optim, taken)
+        taken += 1
 
     step()  # warm-up
     if dev.type == "cuda":

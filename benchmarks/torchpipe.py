@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from swarm.config import load_config
+from swarm.config import OptimConfig, load_config
 from swarm.core.schedule import warmup_lr
 from swarm.data import load_samples, split_inputs_targets
 from swarm.model import build_stage
@@ -63,6 +63,16 @@ class Throttle:
         used = time.thread_time() - self.last
         time.sleep((self.factor - 1.0) * used)
         self.last = time.thread_time()
+
+
+def step_stage(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, optim: OptimConfig, taken: int) -> None:
+    """One stage's optimizer step as a swarm server takes it: the stage's gradient clipped to
+    `optim.clip_grad_norm`, at the warm-up learning rate of the step (`taken` steps so far)."""
+    torch.nn.utils.clip_grad_norm_(params, optim.clip_grad_norm or math.inf)
+    for group in opt.param_groups:
+        group["lr"] = warmup_lr(taken, optim.base_lr, optim.warmup_steps)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _slow_down(module: torch.nn.Module, factor: float) -> None:
@@ -130,11 +140,7 @@ def _rank(rank: int, overrides: list[str], run: PipelineRun, port: int, out: str
             for p in params:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad_norm or math.inf)
-        for group in opt.param_groups:
-            group["lr"] = warmup_lr(taken, cfg.optim.base_lr, cfg.optim.warmup_steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step_stage(params, opt, cfg.optim, taken)
         taken += 1
 
     result: dict = {"rank": rank}
