@@ -68,3 +68,13 @@ def test_initial_weights_are_served_mid_run_only_at_the_operators_word() -> None
     assert plan_entry(0, [], progressed=True, fresh_allowed=True).action == "fresh"
     # a copy beats a fresh start even where one is allowed
     assert plan_entry(0, [("h", 4, 4)], progressed=True, fresh_allowed=True).action == "restore"
+
+
+def test_a_stage_once_seen_past_its_start_is_waited_for_whatever_the_other_stages_show() -> None:
+    """A server that came as the stage's last replica died saw it at epoch 6; once the dead one's record
+    lapsed, a read under that churn found no other stage stepped. The run has still progressed."""
+    entry = plan_entry(0, [], progressed=False, fresh_allowed=False, stage_seen=6)
+    assert (entry.action, entry.lost) == ("wait", 6)
+    entry = plan_entry(0, [], progressed=False, fresh_allowed=True, stage_seen=6)
+    assert (entry.action, entry.lost) == ("fresh", 6)
+    assert plan_entry(0, [("h", 4, 5)], progressed=False, fresh_allowed=False, stage_seen=6).lost == 2

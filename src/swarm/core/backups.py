@@ -76,15 +76,20 @@ class Entry:
     reason: str = ""
 
 
-def plan_entry(own: int, copies: list[tuple[str, int, int]], progressed: bool, fresh_allowed: bool) -> Entry:
+def plan_entry(own: int, copies: list[tuple[str, int, int]], progressed: bool, fresh_allowed: bool,
+               stage_seen: int = 0) -> Entry:
     """The entry of a server holding its stage at epoch `own` (0: initial weights; more: from its own
     checkpoint) into a stage with no live replica. `copies`: (holder, epoch, newest stage epoch the
     holder saw) of every copy found; `progressed`: whether the run is past its start (another stage has
-    stepped).
+    stepped); `stage_seen`: the newest epoch the server saw its stage's replicas at, in earlier looks.
 
     The newest state reachable wins. Initial weights are served mid-run only when the operator allows
-    it (`fresh_allowed`); otherwise the server waits for a copy (a holder may still be joining)."""
-    seen = max([own, *(c[2] for c in copies)])
+    it (`fresh_allowed`); otherwise the server waits for a copy (a holder may still be joining). A stage
+    once seen past its start has progressed whatever a later read of the other stages misses: a server
+    that came as the stage's last replica died saw it further along, then found no record of it once the
+    dead one's had lapsed, and a read of the DHT under that churn can miss the other stages' too."""
+    seen = max([own, stage_seen, *(c[2] for c in copies)])
+    progressed = progressed or stage_seen > 0
     best = max(copies, key=lambda c: c[1], default=None)
     if best is not None and best[1] > own:
         return Entry("restore", best[0], best[1], seen - best[1], f"the newest copy is at epoch {best[1]}")

@@ -31,9 +31,11 @@ async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: 
     """Bring `st` (at its initial weights, or resumed from disk) to the stage's newest state; whether to
     serve it (False: stopped while waiting for a copy)."""
     waited = False
+    seen = 0  # the newest epoch a look found the stage's replicas at
     while not stop.is_set():
         replicas = [r for r in await directory.stage(st.index)
                     if r.peer_id != st.peer_id and r.config_hash == config_hash]  # others' states do not fit
+        seen = max([seen, *(r.epoch for r in replicas)])
         if replicas:  # a stage with live replicas: join them, taking their state if they are further along
             ahead = [r for r in replicas if r.epoch > st.runtime.epoch]
             if not ahead or await transfer.download(ahead):
@@ -41,7 +43,7 @@ async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: 
             # none of those further along answered: they may have just died, their records not yet lapsed
         else:
             entry, newest_first = await _entry_without_replicas(st, directory, config_hash, num_stages,
-                                                                fresh_allowed)
+                                                                fresh_allowed, seen)
             if entry.action == "restore":
                 if await transfer.download(newest_first, method="backup"):
                     _record(st, entry, st.runtime.epoch)
@@ -65,11 +67,13 @@ async def take_stage_state(st: ServedStage, transfer: StateTransfer, directory: 
 
 
 async def _entry_without_replicas(st: ServedStage, directory: Directory, config_hash: str, num_stages: int,
-                                  fresh_allowed: bool) -> tuple[Entry, list[BackupRecord]]:
-    """What to do in a stage no replica is left of, and the copies newer than what `st` holds, newest first."""
+                                  fresh_allowed: bool, seen: int) -> tuple[Entry, list[BackupRecord]]:
+    """What to do in a stage no replica is left of, and the copies newer than what `st` holds, newest first.
+    `seen`: the newest epoch earlier looks found the stage's replicas at."""
     copies = [c for c in await directory.backups(st.index) if c.config_hash == config_hash]
-    entry = plan_entry(st.runtime.epoch, [(c.peer_id, c.epoch, c.seen) for c in copies],
-                       await run_progressed(directory, num_stages, st.index), fresh_allowed)
+    progressed = seen > 0 or await run_progressed(directory, num_stages, st.index)
+    entry = plan_entry(st.runtime.epoch, [(c.peer_id, c.epoch, c.seen) for c in copies], progressed, fresh_allowed,
+                       seen)
     return entry, sorted((c for c in copies if c.epoch > st.runtime.epoch), key=lambda c: -c.epoch)
 
 
