@@ -12,7 +12,7 @@ from swarm.server import restoring
 
 
 class Churned:
-    """The DHT as a newcomer read it in a failed run: its stage's last replica (just killed) at epoch 6, then,
+    """The DHT as a newcomer read it in a failed run: its stage's last replica (just killed) at epoch 4, then,
     once that record lapsed, no replica there and, in the same churn, no record of the other stages either."""
 
     def __init__(self) -> None:
@@ -20,7 +20,7 @@ class Churned:
 
     async def stage(self, index: int) -> list:
         self.looks += 1
-        dead = SimpleNamespace(peer_id="dead", epoch=6, config_hash="h")
+        dead = SimpleNamespace(peer_id="dead", epoch=4, config_hash="h")
         return [dead] if self.looks == 1 else []
 
     async def stages(self, num_stages: int) -> dict:
