@@ -54,7 +54,7 @@ class KeptWeights:
         slots = {(p.device, p.untyped_storage().data_ptr()): i for i, p in enumerate(self.params)
                  if p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()}
         at = self.version()
-        saved = self._saved.setdefault(at, set())
+        by_reference = self._saved.setdefault(at, set())
 
         def pack(t: torch.Tensor) -> torch.Tensor | _ParamView:
             if t.layout != torch.strided:
@@ -62,7 +62,7 @@ class KeptWeights:
             i = slots.get((t.device, t.untyped_storage().data_ptr()))
             if i is None:
                 return t
-            saved.add(i)
+            by_reference.add(i)
             return _ParamView(i, at, t.size(), t.stride(), t.storage_offset())
 
         def unpack(saved: torch.Tensor | _ParamView) -> torch.Tensor:
